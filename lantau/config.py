@@ -1,0 +1,175 @@
+"""One frozen config tree, built once at the edge (`LLM(...)`, the CLI) and passed down.
+
+A value found at run time (the number of KV blocks after memory profiling) makes a new object
+with `dataclasses.replace`; nothing here is mutated after construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling (HF `rope_scaling` / `rope_parameters`)."""
+
+    rope_type: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any] | None) -> RopeScaling | None:
+        if not d:
+            return None
+        rope_type = d.get("rope_type", d.get("type", "default"))
+        if rope_type == "default":
+            return None
+        if rope_type not in ("linear", "llama3"):
+            raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r}")
+        return cls(
+            rope_type=rope_type,
+            factor=float(d.get("factor", 1.0)),
+            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture: {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        h, i, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return layers * per_layer + embed + h
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from an HF config.json dict (transformers 4.x or 5.x field names)."""
+        model_type = d.get("model_type", "llama")
+        num_heads = d["num_attention_heads"]
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if model_type == "mistral" and d.get("sliding_window") not in (None, 0):
+            # NOTE: sliding-window attention is not implemented; only contexts within the
+            # window are correct, so cap the usable length there.
+            max_pos = min(d.get("max_position_embeddings", 4096), d["sliding_window"])
+        else:
+            max_pos = d.get("max_position_embeddings", 4096)
+        return cls(
+            architecture=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta),
+            rope_scaling=RopeScaling.from_hf(rope),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache."""
+
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # None: sized at start from the memory budget below
+    gpu_memory_utilization: float = 0.90  # share of the card the engine may use (CUDA)
+    cpu_kv_cache_bytes: int = 1 << 30  # KV budget on CPU
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching under a per-step token budget."""
+
+    max_model_len: int = 4096  # prompt + output tokens of one request
+    max_num_seqs: int = 256  # requests in one step
+    max_num_batched_tokens: int = 4096  # tokens in one step (the token budget)
+    enable_chunked_prefill: bool = True  # a prompt may be split across steps
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ValueError(
+                "max_num_seqs, max_num_batched_tokens must be >= 1, max_model_len >= 2"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len without chunked prefill"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # "path/to/hf-folder" | "file.gguf" | "random:NAME"
+    model_config: ModelConfig
+    dtype: str = "float32"  # torch dtype name of weights and activations
+    device: str = "cpu"
+    seed: int = 0  # for unseeded sampling and random weights
+    tensor_parallel_size: int = 1
+    attention_backend: str = "torch"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def with_num_blocks(self, num_blocks: int) -> EngineConfig:
+        return dataclasses.replace(
+            self, cache=dataclasses.replace(self.cache, num_blocks=num_blocks)
+        )

@@ -1,0 +1,1 @@
+"""Engine core (schedule -> run -> update) and the in-process engine with detokenization."""

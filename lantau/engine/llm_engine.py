@@ -1,0 +1,142 @@
+"""In-process engine: tokenization, `n` samples per prompt, detokenization and stop strings
+around an EngineCore. The offline `LLM` drives it; the server's frontend does the same work
+across a process boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from lantau.engine.core import EngineCore
+from lantau.engine.detokenizer import IncrementalDetokenizer
+from lantau.errors import InvalidRequestError
+from lantau.outputs import CompletionOutput, RequestOutput
+from lantau.request import FinishReason, Request, SamplingParams
+from lantau.scheduler.output import EngineCoreOutput
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{request_id}#{index}"
+
+
+@dataclass
+class _Sequence:
+    """One of a request's n samples, as the frontend sees it."""
+
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+
+
+@dataclass
+class _RequestState:
+    output: RequestOutput
+    sequences: list[_Sequence] = field(default_factory=list)
+    num_unfinished: int = 0
+
+
+class LLMEngine:
+    def __init__(self, core: EngineCore, tokenizer) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            ids = prompt.get("prompt_token_ids")
+            if not isinstance(ids, list):
+                raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
+            return None, list(ids)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("prompt", f"must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise InvalidRequestError("prompt", "is empty")
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model has no tokenizer; pass token ids")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def add_request(
+        self, request_id: str, prompt: str | dict, params: SamplingParams, priority: int = 0
+    ) -> None:
+        """Validate, then queue `params.n` sequences; nothing is queued if anything is wrong."""
+        if request_id in self.states:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        text, ids = self.tokenize(prompt)
+        self.core.validate(ids)
+        state = _RequestState(RequestOutput(request_id, text, ids), num_unfinished=params.n)
+        eos = self.core.config.model_config.eos_token_ids
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                # each sample its own seed stream; sample 0 matches the same seed with n=1
+                seed = None if params.seed is None else params.seed + i
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            completion = CompletionOutput(
+                i, "", [], None, [] if params.logprobs is not None else None
+            )
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, child_params, ids)
+            state.sequences.append(_Sequence(completion, detok))
+            child_id = child_request_id(request_id, i)
+            self.child_to_parent[child_id] = (request_id, i)
+            self.core.add_request(
+                Request(child_id, list(ids), child_params, eos, priority=priority)
+            )
+        state.output.outputs = [s.output for s in state.sequences]
+        self.states[request_id] = state
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return
+        children = [child_request_id(request_id, i) for i in range(len(state.sequences))]
+        self.core.abort_requests(children)
+        for child in children:
+            self.child_to_parent.pop(child, None)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the RequestOutputs it advanced (finished ones last seen here)."""
+        touched: dict[str, RequestOutput] = {}
+        for core_out in self.core.step():
+            request_id = self._process(core_out)
+            touched[request_id] = self.states[request_id].output
+        for request_id, output in touched.items():
+            state = self.states[request_id]
+            if state.num_unfinished == 0:
+                output.finished = True
+                del self.states[request_id]
+        return list(touched.values())
+
+    def _process(self, core_out: EngineCoreOutput) -> str:
+        request_id, index = self.child_to_parent[core_out.request_id]
+        state = self.states[request_id]
+        seq = state.sequences[index]
+        if index == 0:
+            state.output.num_cached_tokens = core_out.num_cached_tokens
+        out = seq.output
+        reason = core_out.finish_reason
+        for i, token_id in enumerate(core_out.new_token_ids):
+            out.token_ids.append(token_id)
+            if core_out.new_logprobs is not None and out.logprobs is not None:
+                out.logprobs.append(core_out.new_logprobs[i])
+            if seq.detokenizer is not None and seq.detokenizer.add_token(token_id):
+                if reason is None:  # a stop string: the core does not know it ended
+                    self.core.abort_requests([core_out.request_id], FinishReason.STOP)
+                reason = FinishReason.STOP
+                out.stop_reason = seq.detokenizer.stop_reason
+                break
+        if seq.detokenizer is not None:
+            out.text = seq.detokenizer.text
+        if reason is not None:
+            out.finish_reason = str(reason)
+            if out.stop_reason is None and reason == FinishReason.STOP:
+                out.stop_reason = out.token_ids[-1]
+            state.num_unfinished -= 1
+            self.child_to_parent.pop(core_out.request_id)
+        return request_id

@@ -1,0 +1,1 @@
+"""Paged KV cache bookkeeping (no torch)."""

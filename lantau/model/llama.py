@@ -1,0 +1,213 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) as plain nn.Modules.
+
+HF parameter names are kept, except that q/k/v and gate/up are fused at load time
+(`qkv_proj`, `gate_up_proj`) so each layer runs two GEMMs where HF runs five.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lantau.config import ModelConfig, RopeScaling
+from lantau.errors import ModelLoadError
+from lantau.runner.attention import ForwardContext, paged_attention_ref, write_kv_cache
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Per-pair rotation frequencies, with linear or llama3 scaling, as HF computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding (HF's convention), computed in float32."""
+    # x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim // 2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        # x: [num_tokens, hidden_size]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        write_kv_cache(k, v, kv_cache, ctx.attn.slot_mapping)
+        out = paged_attention_ref(q, kv_cache, ctx.attn, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))  # [num_tokens, hidden_size]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # fused parameter -> (HF parameter, shard index) it is built from
+    STACKED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq.to(self.lm_head.weight.device), persistent=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim/2]
+        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [num_rows, vocab_size]
+
+    def _shard_slice(self, fused: str, shard: int) -> slice:
+        c = self.config
+        sizes = (
+            [c.q_size, c.kv_size, c.kv_size] if fused == "qkv_proj" else [c.intermediate_size] * 2
+        )
+        start = sum(sizes[:shard])
+        return slice(start, start + sizes[shard])
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
+        loaded: set[str] = set()
+        shards: dict[str, set[int]] = {}  # fused parameter -> shards copied so far
+        for hf_name, tensor in weights:
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            parts = hf_name.split(".")
+            target, rows = hf_name, slice(None)
+            if len(parts) >= 2 and parts[-2] in self.STACKED:
+                fused, shard = self.STACKED[parts[-2]]
+                target = ".".join([*parts[:-2], fused, parts[-1]])
+                rows = self._shard_slice(fused, shard)
+                shards.setdefault(target, set()).add(shard)
+            else:
+                loaded.add(target)
+            param = params.get(target)
+            if param is None:
+                raise ModelLoadError(f"unexpected weight {hf_name!r}")
+            dst = param[rows]
+            if dst.shape != tensor.shape:
+                raise ModelLoadError(
+                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+        for target, done in shards.items():
+            if len(done) == (3 if ".qkv_proj." in target else 2):
+                loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ModelLoadError(f"weights missing from the checkpoint: {missing[:8]}")
+
+    @torch.no_grad()
+    def init_random_weights(self, seed: int) -> None:
+        """Normal(0, 0.02) matrices and unit norms, drawn on the parameters' own device."""
+        gen = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,162 @@
+"""Requests and their sampling parameters (pure Python, no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from lantau.errors import InvalidRequestError
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # aborted by the caller
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # blocks freed; waits to be recomputed
+    FINISHED = enum.auto()
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token under the model's raw distribution
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each output token; the vLLM field names and meanings.
+
+    Penalties follow vLLM: repetition_penalty over prompt and output tokens, presence and
+    frequency penalties over output tokens only. Temperature 0 means greedy.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: none; k: the chosen token's and the top-k's
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            (
+                "max_tokens",
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "must be an integer >= 1",
+            ),
+            ("temperature", self.temperature >= 0.0, "must be >= 0"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "must be -1, 0 or >= 1"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            (
+                "logprobs",
+                self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+                "must be None or an integer >= 0",
+            ),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            (
+                "stop_token_ids",
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "must be non-negative integers",
+            ),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(name, f"{message}, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    """One sequence being generated: the scheduler's and KV manager's unit of work.
+
+    `num_computed_tokens` catches up to `num_tokens`; the last token of a running request is
+    the one sampled in the previous step, whose KV is not written yet.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 1 << 30
+    priority: int = 0  # lower runs first; ties by arrival
+    arrival_seq: int = 0  # set by the scheduler: FCFS order
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache; -1: not scheduled
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        """Smaller is scheduled first and preempted last."""
+        return (self.priority, self.arrival_seq)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop_token(self) -> FinishReason | None:
+        """Finish reason after the last appended token, from token ids and lengths only."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return FinishReason.STOP
+        if last in params.stop_token_ids:
+            return FinishReason.STOP
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,1 @@
+"""Turns scheduler outputs into tensors and runs the model."""

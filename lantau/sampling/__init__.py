@@ -1,0 +1,21 @@
+"""Batched token sampling on torch: penalties, greedy, temperature, filters, logprobs."""
+
+from __future__ import annotations
+
+from lantau.sampling.sampler import (
+    Logprob,
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    apply_penalties,
+    compute_logprobs,
+)
+
+__all__ = [
+    "Logprob",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingRow",
+    "apply_penalties",
+    "compute_logprobs",
+]

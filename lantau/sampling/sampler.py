@@ -1,0 +1,245 @@
+"""Batched token sampling: penalties, greedy, temperature, min-p/top-k/top-p, logprobs.
+
+vLLM's semantics. Every step is vectorized over the rows of one [num_rows, vocab_size] logits
+tensor; per-row parameters travel as small [num_rows] tensors, so the only host sync in the
+hot path is the final copy of the chosen token ids (plus the logprobs, when asked for).
+
+Sampling uses the exponential race: argmax(probs / q) with q ~ Exponential(1) i.i.d. picks
+token i with probability probs[i]. Each seeded row draws its own q from its own generator, so
+its tokens depend only on that generator and its logits, never on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from lantau.request import Logprob, SamplingParams
+
+__all__ = [
+    "Logprob",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingRow",
+    "apply_min_p",
+    "apply_penalties",
+    "apply_top_k_top_p",
+    "compute_logprobs",
+]
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits to sample from."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # per-request seeded generator; None: the shared one
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    # per row: None if params.logprobs is None, else the chosen token's and the top-n's
+    logprobs: list[dict[int, Logprob] | None]
+
+
+def _uses_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+def _token_counts(
+    token_lists: list[list[int]], num_rows: int, vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """How often each token occurs in each row's list: [num_rows, vocab_size] float32."""
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
+    if not any(token_lists):
+        return counts.view(num_rows, vocab_size)
+    lengths = torch.tensor([len(t) for t in token_lists], device=device)
+    # NOTE: one flat host list per step; fine while outputs are short, a persistent device
+    # token buffer would avoid re-uploading the prompts every step.
+    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), device=device)
+    rows = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
+    # [total_tokens] flat offsets into the [num_rows * vocab_size] view
+    counts.scatter_add_(0, rows * vocab_size + tokens, torch.ones_like(tokens, dtype=counts.dtype))
+    return counts.view(num_rows, vocab_size)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties; float32 result, the input is not modified.
+
+    Repetition penalty covers tokens seen in the prompt or the output (positive logits divided,
+    others multiplied, as HF/vLLM); presence and frequency penalties cover output tokens only.
+    Returns `logits` as float32 untouched (possibly the same tensor) when no row has a penalty.
+    """
+    logits = logits.float()
+    if not any(_uses_penalties(r.params) for r in rows):
+        return logits
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    # Rows without penalties contribute no tokens, so their counts stay zero and their
+    # penalties (1, 0, 0) leave them as they are.
+    output_counts = _token_counts(
+        [r.output_token_ids if _uses_penalties(r.params) else [] for r in rows],
+        num_rows,
+        vocab_size,
+        device,
+    )
+    prompt_counts = _token_counts(
+        [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows],
+        num_rows,
+        vocab_size,
+        device,
+    )
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
+    presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
+
+    seen = (prompt_counts > 0) | (output_counts > 0)  # [num_rows, vocab_size]
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)  # [num_rows, vocab_size]
+    logits = torch.where(seen, repeated, logits)
+    logits = logits - freq * output_counts - presence * (output_counts > 0).float()
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose prob is below min_p × the row's top prob; min_p: [num_rows]."""
+    # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p): no softmax needed, and
+    # min_p = 0 gives -inf, which masks nothing.
+    max_logit = logits.amax(dim=-1, keepdim=True)  # [num_rows, 1]
+    threshold = max_logit + torch.log(min_p)[:, None]  # [num_rows, 1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask all but the top_k tokens, then all but the top_p nucleus of what remains.
+
+    top_k: [num_rows] int64, 0 or -1 for off; top_p: [num_rows] float32, 1.0 for off. One
+    descending sort serves both; the most likely token is always kept.
+    """
+    num_rows, vocab_size = logits.shape
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [num_rows, vocab_size]
+    positions = torch.arange(vocab_size, device=logits.device)[None, :]  # [1, vocab_size]
+
+    k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)  # [num_rows]
+    sorted_logits = sorted_logits.masked_fill(positions >= k[:, None], float("-inf"))
+
+    # Cumulative prob of the tokens strictly before each one: a token is kept while the set
+    # above it has not yet reached top_p, which also always keeps position 0.
+    sorted_probs = sorted_logits.softmax(dim=-1)  # [num_rows, vocab_size]
+    prob_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # top_p = 1 rows are excluded explicitly: rounding in the cumsum could reach 1.0 early.
+    drop = (prob_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def compute_logprobs(
+    raw_logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor
+) -> list[dict[int, Logprob] | None]:
+    """Logprobs of the chosen tokens and each row's top-n, under the raw (unpenalized) logits.
+
+    raw_logits: [num_rows, vocab_size]; token_ids: [num_rows] int64 on the same device.
+    """
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    result: list[dict[int, Logprob] | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    vocab_size = raw_logits.shape[-1]
+    idx = torch.tensor(wanted, device=raw_logits.device)
+    logprobs = raw_logits[idx].float().log_softmax(dim=-1)  # [num_wanted, vocab_size]
+    chosen = logprobs.gather(-1, token_ids[idx][:, None])  # [num_wanted, 1]
+    # rank = 1 + number of strictly more likely tokens
+    chosen_rank = (logprobs > chosen).sum(dim=-1) + 1  # [num_wanted]
+    max_n = min(max(rows[i].params.logprobs for i in wanted), vocab_size)
+    top_vals, top_ids = logprobs.topk(max_n, dim=-1)  # [num_wanted, max_n], descending
+
+    chosen_l, rank_l = chosen.squeeze(-1).tolist(), chosen_rank.tolist()
+    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    token_l = token_ids[idx].tolist()
+    for j, i in enumerate(wanted):
+        entry = {token_l[j]: Logprob(chosen_l[j], rank_l[j])}
+        n = min(rows[i].params.logprobs, vocab_size)
+        for pos in range(n):
+            # the chosen token keeps its own entry should it also be among the top-n
+            entry.setdefault(top_ids_l[j][pos], Logprob(top_vals_l[j][pos], pos + 1))
+        result[i] = entry
+    return result
+
+
+class Sampler:
+    """Picks one token per row of a logits batch; see the module docstring for semantics."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        # draws the exponential noise of rows without their own generator
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        # logits: [num_rows, vocab_size], any float dtype
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per row"
+        device = logits.device
+        penalized = apply_penalties(logits, rows)  # [num_rows, vocab_size] float32
+
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=device)  # [num_rows]
+        if greedy:
+            g_idx = torch.tensor(greedy, device=device)
+            token_ids[g_idx] = penalized[g_idx].argmax(dim=-1)
+        if sampled:
+            s_idx = torch.tensor(sampled, device=device)
+            token_ids[s_idx] = self._sample(penalized[s_idx], [rows[i] for i in sampled])
+
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),  # the one host sync of the hot path
+            logprobs=compute_logprobs(logits, rows, token_ids),
+        )
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, filters, then the exponential race; logits: [num_sampled, vocab_size]."""
+        device = logits.device
+        temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+        logits = logits / temperature[:, None]  # [num_sampled, vocab_size]
+
+        # Each filter is skipped when no row uses it: the sort in top-k/top-p is the costly one.
+        if any(r.params.min_p > 0.0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+            logits = apply_min_p(logits, min_p)
+        if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
+            top_k = torch.tensor([r.params.top_k for r in rows], device=device)
+            top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+
+        probs = logits.softmax(dim=-1)  # [num_sampled, vocab_size]
+        q = self._exponential_noise(rows, probs.shape[-1], device)  # [num_sampled, vocab_size]
+        return (probs / q).argmax(dim=-1)  # [num_sampled]
+
+    def _exponential_noise(
+        self, rows: list[SamplingRow], vocab_size: int, device: torch.device
+    ) -> torch.Tensor:
+        """Exponential(1) noise, [len(rows), vocab_size]: one [vocab_size] draw per seeded row
+        from its own generator, one batched draw from the shared generator for the rest."""
+        q = torch.empty(len(rows), vocab_size, device=device)
+        unseeded = []
+        for i, row in enumerate(rows):
+            if row.generator is None:
+                unseeded.append(i)
+            else:
+                q[i].exponential_(generator=row.generator)
+        if unseeded:
+            shared = torch.empty(len(unseeded), vocab_size, device=device)
+            shared.exponential_(generator=self.generator)
+            q[torch.tensor(unseeded, device=device)] = shared
+        # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick.
+        return q.clamp_min_(torch.finfo(q.dtype).tiny)

@@ -1,0 +1,1 @@
+"""Token-budget scheduler and its typed outputs (no torch)."""

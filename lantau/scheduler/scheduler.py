@@ -1,0 +1,199 @@
+"""Token-budget scheduler: no prefill or decode phase (plain Python, no torch).
+
+Each step every scheduled request's `num_computed_tokens` moves towards its `num_tokens`:
+a whole prompt, a chunk of it, or the one token sampled last step. Prefix-cache hits count as
+computed. Running requests go first, highest priority first; when blocks run out the lowest
+priority (then newest) running request is preempted and later recomputed. Waiting requests are
+admitted FCFS within a priority while the token budget and `max_num_seqs` allow.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from lantau.config import SchedulerConfig
+from lantau.kv_cache.manager import KVCacheManager
+from lantau.request import FinishReason, Request, RequestStatus
+from lantau.scheduler.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        # NOTE: a heap with lazy deletion: entries whose request left the waiting state are
+        # skipped when they reach the top.
+        self._waiting: list[tuple[tuple[int, int], Request]] = []
+        self.running: list[Request] = []
+        self._arrival = itertools.count()
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions = 0  # since start, for stats and tests
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.requests) - len(self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
+        request.arrival_seq = next(self._arrival)
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self._waiting, (request.priority_key, request))
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting:
+            request = self._waiting[0][1]
+            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                return request
+            heapq.heappop(self._waiting)  # stale: admitted or finished since
+        return None
+
+    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
+        """End requests at any point (abort, stop string); frees their blocks at once."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            self.kv_cache.free(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            self._finished_since_last_step.add(request_id)
+            finished.append(request)
+        return finished
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = set()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        self.running.sort(key=lambda r: r.priority_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.config.enable_chunked_prefill and num_new < (
+                request.num_tokens - request.num_computed_tokens
+            ):
+                break
+            new_block_ids = self.kv_cache.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                # NOTE: self.running is sorted, so the victim is never a request already
+                # scheduled in this step; it may be `request` itself.
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+                new_block_ids = self.kv_cache.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            out.scheduled_cached_reqs.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            self._commit(request, num_new, out)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_req_ids.add(request.request_id)
+        self._push_waiting(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._peek_waiting()
+            if request is None:
+                return
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    return
+                num_new = budget
+            request.num_computed_tokens = num_cached
+            if self.kv_cache.allocate_slots(request, num_new, computed_blocks) is None:
+                request.num_computed_tokens = 0
+                return
+            heapq.heappop(self._waiting)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache.block_ids(request.request_id),
+                    num_computed_tokens=num_cached,
+                )
+            )
+            self._commit(request, num_new, out)
+            budget -= num_new
+
+    def _commit(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        # NOTE: counted as computed at schedule time: the runner writes these tokens' KV in
+        # this step, and the next schedule may be built before this step's results return.
+        out.num_scheduled_tokens[request.request_id] = num_new
+        request.num_computed_tokens += num_new
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens; finish requests on stop tokens or length."""
+        outputs = []
+        for request_id, token_id in result.sampled_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.append_output_token(token_id)
+            reason = request.check_stop_token()
+            logprobs = result.logprobs.get(request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=None if logprobs is None else [logprobs],
+                    finish_reason=reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if reason is not None:
+                self.finish_requests([request_id], reason)
+        return outputs
+
+    def check_integrity(self) -> None:
+        self.kv_cache.check_integrity()
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+            assert 0 < request.num_computed_tokens <= request.num_tokens
+        held = set(self.kv_cache.req_to_blocks)
+        assert held == {r.request_id for r in self.running}, "blocks held outside running"

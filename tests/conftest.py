@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny random HF checkpoints saved to disk, loaded by lantau like any folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+
+def save_tiny_hf_model(folder, config) -> transformers.PreTrainedModel:
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(folder)
+    model.generation_config.eos_token_id = None  # like ignore_eos: always max_new_tokens
+    return model
+
+
+TINY_LLAMA = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.2,  # wide logits: no greedy near-ties by chance
+    eos_token_id=2,
+    bos_token_id=1,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_hf_model(folder, transformers.LlamaConfig(**TINY_LLAMA))
+    return folder

@@ -1,0 +1,150 @@
+"""The engine end to end on a tiny random model: continuous batching, preemption, chunked
+prefill and prefix caching all give the tokens a lone request gets; seeds, n, stop tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lantau import LLM, SamplingParams
+
+
+def random_prompts(num: int, seed: int = 0, max_len: int = 100) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(1, max_len))] for _ in range(num)]
+
+
+def check_clean(llm: LLM) -> None:
+    """No request or block left behind."""
+    core = llm.engine.core
+    core.scheduler.check_integrity()
+    assert not core.scheduler.requests
+    assert core.kv_cache.num_free_blocks == core.config.cache.num_blocks
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Each of 32 mixed-length requests run alone (greedy and seeded)."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=512)
+    rng = random.Random(1)
+    prompts = random_prompts(32)
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.9,
+            seed=None if i % 2 else 100 + i,
+            max_tokens=rng.randint(1, 48),
+            ignore_eos=True,
+        )
+        for i in range(32)
+    ]
+    alone = [
+        llm.generate([{"prompt_token_ids": p}], sp)[0]
+        for p, sp in zip(prompts, params, strict=True)
+    ]
+    return prompts, params, [o.outputs[0].token_ids for o in alone]
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(num_kv_blocks=512),
+        dict(num_kv_blocks=512, max_num_batched_tokens=16),  # chunked prefill of 16 tokens
+        dict(num_kv_blocks=17, max_model_len=256),  # 272 slots for ~3,000 tokens: preemption
+        dict(num_kv_blocks=17, max_model_len=256, max_num_batched_tokens=16),
+    ],
+    ids=["batched", "chunked16", "preempt", "preempt+chunked16"],
+)
+def test_continuous_batching_matches_one_at_a_time(tiny_llama_dir, reference, engine_args):
+    prompts, params, expected = reference
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", **engine_args)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    if engine_args["num_kv_blocks"] == 17:
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    check_clean(llm)
+
+
+def test_prefix_caching_computes_only_the_rest(tiny_llama_dir):
+    block = 16
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+    plain = LLM(
+        str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    prefix = list(range(10, 10 + 3 * block))
+    first = {"prompt_token_ids": prefix + [7, 8, 9, 10, 11]}
+    second = {"prompt_token_ids": prefix + [300, 301, 302]}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out1 = llm.generate(first, params)[0]
+    out2 = llm.generate(second, params)[0]
+    assert out1.num_cached_tokens == 0
+    assert out2.num_cached_tokens == 3 * block  # the 3 shared blocks were not recomputed
+    assert out2.outputs[0].token_ids == plain.generate(second, params)[0].outputs[0].token_ids
+    check_clean(llm)
+
+
+def test_seeded_sampling_reproducible_across_runs_and_batch_positions(tiny_llama_dir):
+    prompts = random_prompts(6, seed=3)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    target = {"prompt_token_ids": prompts[0]}
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=256)
+    alone = llm.generate(target, seeded)[0].outputs[0].token_ids
+    batch = [{"prompt_token_ids": p} for p in prompts[1:4]] + [target]
+    at_end = llm.generate(batch, [other] * 3 + [seeded])[3].outputs[0].token_ids
+    llm2 = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=256)
+    again = llm2.generate(target, seeded)[0].outputs[0].token_ids
+    assert alone == at_end == again
+
+
+def test_n_samples(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=256)
+    prompt = {"prompt_token_ids": random_prompts(1, seed=9)[0]}
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    out = llm.generate(prompt, params)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    single = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    assert out.outputs[0].token_ids == llm.generate(prompt, single)[0].outputs[0].token_ids
+    check_clean(llm)
+
+
+def test_stop_token_ids_eos_and_max_tokens(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=256)
+    prompt = {"prompt_token_ids": random_prompts(1, seed=4)[0]}
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    tokens = free[0].outputs[0].token_ids
+    stop_at = next(i for i in range(3, 20) if tokens[i] not in tokens[:i])
+    stopped = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tokens[stop_at]])
+    )[0].outputs[0]
+    assert stopped.token_ids == tokens[: stop_at + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == tokens[stop_at]
+    short = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert short[0].outputs[0].token_ids == tokens[:2]
+    assert short[0].outputs[0].finish_reason == "length"
+    check_clean(llm)
+
+
+def test_max_model_len_ends_with_length(tiny_llama_dir):
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=40
+    )
+    out = llm.generate(
+        {"prompt_token_ids": list(range(3, 33))}, SamplingParams(max_tokens=100, ignore_eos=True)
+    )[0]
+    assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
+    check_clean(llm)
+
+
+def test_logprobs(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params)[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for token_id, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert entry[token_id].rank == 1  # greedy picks the top token
+        assert len(entry) == 3 and sorted(lp.rank for lp in entry.values()) == [1, 2, 3]
+    assert out.cumulative_logprob < 0

@@ -1,0 +1,86 @@
+"""Greedy tokens and logits equal HF transformers' (float32, CPU) on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from lantau import LLM, SamplingParams
+
+NUM_PROMPTS, NUM_TOKENS = 8, 32
+
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.2,  # wide logits: no greedy near-ties by chance
+)
+
+CONFIGS = {
+    "llama3": lambda: transformers.LlamaConfig(
+        **COMMON,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama-tied": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=True),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False),
+}
+
+
+def make_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 7, 12, 17, 25, 31, 48, 70]
+    return [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def hf_model_dir(request, tmp_path_factory):
+    torch.manual_seed(1234)
+    config = CONFIGS[request.param]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    model.generation_config.eos_token_id = None  # like ignore_eos: always NUM_TOKENS tokens
+    return folder, model
+
+
+def hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), out.logits[-1][0]
+
+
+def test_greedy_and_logits_match_hf(hf_model_dir):
+    folder, hf_model = hf_model_dir
+    prompts = make_prompts()
+    llm = LLM(str(folder), dtype="float32", device="cpu", num_kv_blocks=256)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    last_logits = llm.engine.core.runner.last_logits
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        hf_tokens, hf_logits = hf_greedy(hf_model, prompt)
+        assert output.outputs[0].token_ids == hf_tokens, f"prompt {i}"
+        ours = last_logits[f"{output.request_id}#0"].float()
+        assert (ours - hf_logits).abs().max().item() <= 1e-4, f"prompt {i}"
+    llm.engine.core.scheduler.check_integrity()
+    assert llm.engine.core.kv_cache.num_free_blocks == 256
