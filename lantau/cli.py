@@ -48,6 +48,19 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    import json
+
+    from lantau.bench.offline import bench_offline, print_report
+
+    result = bench_offline(args)
+    print_report(result)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lantau")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,6 +70,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--max-tokens", type=int, default=256)
     p.set_defaults(func=chat)
+
+    b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)
+    p = b.add_parser("offline", help="the in-process engine on a standard workload")
+    p.add_argument("--model", default="random:llama3-8b")
+    p.add_argument(
+        "--workload", default="W2", help="W2 | W5 | W3-1000 | W3-128 | W3-2048 | in:N/out:M"
+    )
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--peer", action="append", choices=["hf", "hf-static"], help="HF generate too")
+    p.add_argument("--peer-prompts", type=int, default=None, help="prompts the peer runs")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--output", default=None, help="write the result as JSON here")
+    p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -165,7 +165,8 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0  # for unseeded sampling and random weights
     tensor_parallel_size: int = 1
-    attention_backend: str = "torch"
+    attention_backend: str = "torch"  # "torch" (reference) | "triton" (fused kernels, CUDA)
+    enforce_eager: bool = False  # no CUDA graphs
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

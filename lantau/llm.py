@@ -49,6 +49,8 @@ def build_engine_config(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
+    attention_backend: str = "auto",
+    enforce_eager: bool = False,
 ):
     """The frozen EngineConfig and the model source, from user-facing arguments."""
     if tensor_parallel_size != 1:
@@ -62,6 +64,8 @@ def build_engine_config(
             f"{model_config.max_position_embeddings} positions"
         )
     device = resolve_device(device)
+    if attention_backend == "auto":
+        attention_backend = "triton" if device.startswith("cuda") else "torch"
     if max_num_batched_tokens is None:
         max_num_batched_tokens = 4096 if enable_chunked_prefill else max_len
     config = EngineConfig(
@@ -71,6 +75,8 @@ def build_engine_config(
         device=device,
         seed=seed,
         tensor_parallel_size=tensor_parallel_size,
+        attention_backend=attention_backend,
+        enforce_eager=enforce_eager,
         cache=CacheConfig(
             block_size=block_size,
             num_blocks=num_kv_blocks,

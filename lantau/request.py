@@ -51,6 +51,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's and the top-k's
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (benchmarks), no text or stop strings
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -7,41 +7,93 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from lantau.config import EngineConfig
 from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
 from lantau.model.loader import ModelSource, build_model
-from lantau.request import FinishReason, Request
+from lantau.request import FinishReason, Request, SamplingParams
 from lantau.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
+from lantau.sampling.sampler import SamplingRow
 from lantau.scheduler.output import EngineCoreOutput
 from lantau.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-# Room left on the card for activations, logits and the allocator's slack, beyond weights.
-CUDA_ACTIVATION_RESERVE_BYTES = 4 << 30
+# Headroom kept free on the card beyond the profiled peak: CUDA graphs, allocator slack.
+CUDA_HEADROOM_BYTES = 1 << 30
 
 
-def num_kv_blocks(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """KV blocks that fit the memory budget left once the weights are loaded."""
+def num_kv_blocks(config: EngineConfig, dtype: torch.dtype, peak_bytes: int) -> int:
+    """KV blocks that fit the memory budget once weights and a worst-case step's peak are
+    counted (`peak_bytes`: torch's peak allocation during the profiling step)."""
     per_block = kv_cache_bytes_per_block(config, dtype)
+    device = torch.device(config.device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * config.cache.gpu_memory_utilization) - (total - free)
-        budget -= CUDA_ACTIVATION_RESERVE_BYTES
+        not_torch = total - free - torch.cuda.memory_reserved(device)  # context, NCCL, ...
+        budget = int(total * config.cache.gpu_memory_utilization) - not_torch - peak_bytes
+        budget -= CUDA_HEADROOM_BYTES
     else:
         budget = config.cache.cpu_kv_cache_bytes
     return max(budget // per_block, 0)
+
+
+@torch.inference_mode()
+def profile_peak_bytes(config: EngineConfig, model, dtype: torch.dtype) -> int:
+    """Peak device memory of a worst-case step: a full token budget of prefill, logits and
+    sampling for max_num_seqs rows. Runs on a throwaway KV cache just large enough."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return 0
+    from lantau.runner.model_runner import ModelRunner, StepInputs
+
+    sched = config.scheduler
+    num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
+    num_blocks = cdiv(num_tokens, config.cache.block_size)
+    runner = ModelRunner(config, model, num_blocks, device)
+    positions = np.arange(num_tokens, dtype=np.int64)
+    inputs = StepInputs(
+        input_ids=np.zeros(num_tokens, dtype=np.int64),
+        positions=positions,
+        slot_mapping=positions.copy(),
+        query_start_loc=np.array([0, num_tokens], dtype=np.int32),
+        seq_lens=np.array([num_tokens], dtype=np.int32),
+        block_tables=np.arange(num_blocks, dtype=np.int32)[None, :],
+        sample_ids=[],
+        logits_indices=np.full(min(sched.max_num_seqs, num_tokens), num_tokens - 1),
+    )
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    logits = runner._forward_logits(inputs)
+    rows = [SamplingRow(SamplingParams(top_p=0.9, top_k=50), None, [], [])] * len(logits)
+    runner.sampler(logits, rows)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del runner, logits
+    torch.cuda.empty_cache()
+    return peak
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)
-        model = build_model(source, config.model_config, dtype, self.device, config.seed)
-        num_blocks = config.cache.num_blocks or num_kv_blocks(config, dtype, self.device)
+        model = build_model(
+            source,
+            config.model_config,
+            dtype,
+            self.device,
+            config.seed,
+            ops=config.attention_backend,
+            max_positions=config.scheduler.max_model_len,
+        )
+        if config.cache.num_blocks:
+            num_blocks = config.cache.num_blocks
+        else:
+            num_blocks = num_kv_blocks(config, dtype, profile_peak_bytes(config, model, dtype))
         needed = cdiv(config.scheduler.max_model_len, config.cache.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -56,6 +108,10 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(self.config, model, num_blocks, self.device)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if config.attention_backend != "triton":
+                raise ValueError("CUDA graphs need attention_backend='triton' (or enforce_eager)")
+            self.runner.capture_cuda_graphs()
 
     def validate(self, prompt_token_ids: list[int]) -> None:
         """Raise InvalidRequestError for a prompt the engine cannot serve."""

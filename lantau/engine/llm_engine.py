@@ -76,7 +76,7 @@ class LLMEngine:
                 i, "", [], None, [] if params.logprobs is not None else None
             )
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, child_params, ids)
             state.sequences.append(_Sequence(completion, detok))
             child_id = child_request_id(request_id, i)

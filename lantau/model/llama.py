@@ -10,12 +10,12 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lantau.config import ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
-from lantau.runner.attention import ForwardContext, paged_attention_ref, write_kv_cache
+from lantau.model.ops import Ops, build_cos_sin_cache, make_ops
+from lantau.runner.attention import ForwardContext
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -39,24 +39,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding (HF's convention), computed in float32."""
-    # x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim // 2]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -73,17 +60,16 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
         # x: [num_tokens, hidden_size]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(-1, self.num_heads, self.head_dim)  # strided views into the qkv output
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary(q, k, ctx.positions, ctx.cos_sin_cache)
         kv_cache = ctx.kv_caches[self.layer_idx]
-        write_kv_cache(k, v, kv_cache, ctx.attn.slot_mapping)
-        out = paged_attention_ref(q, kv_cache, ctx.attn, self.scale)
+        ops.write_kv_cache(k, v, kv_cache, ctx.attn.slot_mapping)
+        out = ops.attention(q, kv_cache, ctx.attn, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))  # [num_tokens, hidden_size]
 
 
@@ -93,9 +79,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -107,10 +92,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, ops: Ops
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream travels beside the normalised input so that the add and the
+        next norm are one fused op: returns (this layer's output delta, residual)."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(x, ctx, ops)
+        norm = self.post_attention_layernorm
+        x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(x, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -133,26 +127,29 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: str = "torch", max_positions: int = 0) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.ops: Ops = make_ops(ops)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq.to(self.lm_head.weight.device), persistent=False)
+        device = self.lm_head.weight.device
+        max_positions = max_positions or config.max_position_embeddings
+        # NOTE: a plain attribute, not a buffer: it stays fp32 whatever the model's dtype
+        self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(device), max_positions)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim/2]
-        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # input_ids: [num_tokens] -> hidden states [num_tokens, hidden_size]
+        ctx.cos_sin_cache = self.cos_sin_cache
         x = self.model.embed_tokens(input_ids)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, ctx, self.ops)
+        norm = self.model.norm
+        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [num_rows, vocab_size]

@@ -78,11 +78,17 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(
-    source: ModelSource, config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int
+    source: ModelSource,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    ops: str = "torch",
+    max_positions: int = 0,
 ) -> LlamaForCausalLM:
     """The model on `device` in `dtype`, with its weights (random ones drawn there)."""
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, ops, max_positions)
     if source.kind == "random":
         model.init_random_weights(seed)
     elif source.kind == "hf":

@@ -26,6 +26,10 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
 
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
 
 @dataclass
 class ForwardContext:
@@ -33,6 +37,8 @@ class ForwardContext:
 
     attn: AttentionMetadata
     kv_caches: list[torch.Tensor]  # one per layer
+    positions: torch.Tensor  # [num_tokens] int64: each token's position in its sequence
+    cos_sin_cache: torch.Tensor | None = None  # [max_positions, head_dim] fp32, set by the model
 
 
 def write_kv_cache(

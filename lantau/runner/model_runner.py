@@ -1,14 +1,15 @@
 """Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, samples.
 
 The only place (with model/ and sampling/) where tensors live. It keeps its own copy of each
-running request's tokens and block table, updated from the scheduler's diffs.
+running request's tokens and block table, updated from the scheduler's diffs. Decode-only steps
+replay a CUDA graph captured for the next bucket size up (cuda_graph.py).
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lantau.config import EngineConfig
@@ -27,6 +28,28 @@ class CachedRequestState:
     block_ids: list[int]
 
 
+@dataclass
+class StepInputs:
+    """One step's batch on the host (numpy), in request order."""
+
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    query_start_loc: np.ndarray  # [num_reqs + 1] int32
+    seq_lens: np.ndarray  # [num_reqs] int32
+    block_tables: np.ndarray  # [num_reqs, max_blocks] int32, padded with 0
+    sample_ids: list[str]  # requests that sample this step, in row order
+    logits_indices: np.ndarray  # [num_sample] int64: their last token's row
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return int(np.diff(self.query_start_loc).max())
+
+
 def kv_cache_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
     m = config.model_config
     elem = torch.empty((), dtype=dtype).element_size()
@@ -41,26 +64,19 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = config.cache.block_size
-        dtype = model.lm_head.weight.dtype
-        m = config.model_config
-        # NOTE: zeros, not empty: padded attention reads masked slots, and 0 * NaN is NaN.
-        self.kv_caches = [
-            torch.zeros(
-                2,
-                num_blocks,
-                self.block_size,
-                m.num_key_value_heads,
-                m.head_dim,
-                dtype=dtype,
-                device=device,
-            )  # fmt: skip
-            for _ in range(m.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(config, num_blocks, model.lm_head.weight.dtype, device)
         self.states: dict[str, CachedRequestState] = {}
         # per-request generators outlive preemption, so a seeded request resumes its stream
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler(seed=config.seed, device=device)
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> raw logits, last step
+        self.graphs = None  # CudaGraphRunner, once captured
+
+    def capture_cuda_graphs(self) -> None:
+        from lantau.runner.cuda_graph import CudaGraphRunner
+
+        self.graphs = CudaGraphRunner(self.config, self.model, self.kv_caches, self.device)
+        self.graphs.capture()
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_req_ids:
@@ -78,62 +94,78 @@ class ModelRunner:
         for cached in out.scheduled_cached_reqs:
             self.states[cached.request_id].block_ids.extend(cached.new_block_ids)
 
-    def _scheduled(self, out: SchedulerOutput) -> list[tuple[str, int]]:
-        """(request id, tokens already computed) in batch order."""
-        return [(r.request_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] + [
-            (r.request_id, r.num_computed_tokens) for r in out.scheduled_cached_reqs
-        ]
-
-    def _prepare_inputs(self, out: SchedulerOutput):
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc, seq_lens, tables = [0], [], []
+    def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        scheduled = [(r.request_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+        scheduled += [(r.request_id, r.num_computed_tokens) for r in out.scheduled_cached_reqs]
+        num_tokens = out.total_num_scheduled_tokens
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
+        seq_lens = np.empty(len(scheduled), dtype=np.int32)
+        max_blocks = max(len(self.states[r].block_ids) for r, _ in scheduled)
+        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         sample_ids, logits_indices = [], []
-        bs = self.block_size
-        for request_id, start in self._scheduled(out):
+        row = 0
+        for i, (request_id, start) in enumerate(scheduled):
             state = self.states[request_id]
-            end = start + out.num_scheduled_tokens[request_id]
-            input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(state.block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            query_start_loc.append(len(input_ids))
-            seq_lens.append(end)
-            tables.append(state.block_ids)
+            n = out.num_scheduled_tokens[request_id]
+            end = start + n
+            input_ids[row : row + n] = state.token_ids[start:end]
+            positions[row : row + n] = np.arange(start, end)
+            block_tables[i, : len(state.block_ids)] = state.block_ids
+            row += n
+            query_start_loc[i + 1] = row
+            seq_lens[i] = end
             if end == len(state.token_ids):  # the last known token: its logits pick the next
                 sample_ids.append(request_id)
-                logits_indices.append(len(input_ids) - 1)
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+                logits_indices.append(row - 1)
+        # slot of each token: its block (looked up per request row) * block_size + offset
+        req_of_token = np.repeat(np.arange(len(scheduled)), np.diff(query_start_loc))
+        block_ids = block_tables[req_of_token, positions // self.block_size].astype(np.int64)
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        return StepInputs(
+            input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+            sample_ids, np.asarray(logits_indices, dtype=np.int64),
+        )  # fmt: skip
 
-        def tensor(data, dtype=torch.int64):
-            return torch.tensor(data, dtype=dtype, device=self.device)
+    def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, ForwardContext]:
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
 
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots),
-            query_start_loc=tensor(query_start_loc, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(padded, torch.int32),
-            max_query_len=max(b - a for a, b in itertools.pairwise(query_start_loc)),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
+            slot_mapping=tensor(inputs.slot_mapping),
+            query_start_loc=tensor(inputs.query_start_loc),
+            seq_lens=tensor(inputs.seq_lens),
+            block_tables=tensor(inputs.block_tables),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=int(inputs.seq_lens.max()),
+            query_start_loc_cpu=inputs.query_start_loc.tolist(),
+            seq_lens_cpu=inputs.seq_lens.tolist(),
         )
-        return tensor(input_ids), tensor(positions), meta, sample_ids, tensor(logits_indices)
+        ctx = ForwardContext(meta, self.kv_caches, tensor(inputs.positions))
+        return tensor(inputs.input_ids), ctx
+
+    def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits of the sampling rows: [num_sample, vocab_size]."""
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)[: len(inputs.sample_ids)]
+        input_ids, ctx = self._to_device(inputs)
+        hidden = self.model(input_ids, ctx)
+        indices = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden[indices])
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._update_states(out)
         if out.is_empty:
             return RunnerOutput()
-        input_ids, positions, meta, sample_ids, logits_indices = self._prepare_inputs(out)
-        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches))
-        if not sample_ids:
+        inputs = self._prepare_inputs(out)
+        logits = self._forward_logits(inputs)
+        if not inputs.sample_ids:
             return RunnerOutput()
-        logits = self.model.compute_logits(hidden[logits_indices])  # [num_sample, vocab]
-        self.last_logits = dict(zip(sample_ids, logits, strict=True))  # for parity checks
+        self.last_logits = dict(zip(inputs.sample_ids, logits, strict=True))  # parity checks
         rows = []
-        for request_id in sample_ids:
+        for request_id in inputs.sample_ids:
             state = self.states[request_id]
             rows.append(
                 SamplingRow(
@@ -146,10 +178,21 @@ class ModelRunner:
         sampled = self.sampler(logits, rows)
         result = RunnerOutput()
         for request_id, token_id, logprobs in zip(
-            sample_ids, sampled.token_ids, sampled.logprobs, strict=True
+            inputs.sample_ids, sampled.token_ids, sampled.logprobs, strict=True
         ):
             self.states[request_id].token_ids.append(token_id)
             result.sampled_token_ids[request_id] = token_id
             if logprobs is not None:
                 result.logprobs[request_id] = logprobs
         return result
+
+
+def allocate_kv_caches(
+    config: EngineConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One allocation for the whole cache, viewed per layer."""
+    m = config.model_config
+    shape = (m.num_hidden_layers, 2, num_blocks, config.cache.block_size, m.num_key_value_heads)
+    # NOTE: zeros, not empty: padded attention reads masked slots, and 0 * NaN is NaN.
+    cache = torch.zeros((*shape, m.head_dim), dtype=dtype, device=device)
+    return list(cache.unbind(0))

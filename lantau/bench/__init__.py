@@ -1,0 +1,1 @@
+"""Benchmarks: standard workloads, the offline runner, peers and ceilings."""

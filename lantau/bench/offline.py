@@ -1,0 +1,274 @@
+"""`lantau bench offline`: the in-process engine on a standard workload, with the card's
+ceilings and (optionally) HF transformers `generate` measured in the same run."""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from lantau.bench.workloads import Workload, make_workload
+from lantau.request import SamplingParams
+
+
+@dataclass
+class RunStats:
+    name: str
+    num_prompts: int
+    output_tokens: int
+    elapsed_s: float
+    e2e_s: list[float] = field(default_factory=list)  # per request, from the run's start
+    ttft_s: list[float] = field(default_factory=list)
+    gpu_util_pct: float | None = None
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def ms_per_token(self) -> float:
+        """Mean time between output tokens of one request (decode speed, TTFT excluded)."""
+        per_req = self.output_tokens / max(self.num_prompts, 1)
+        if per_req <= 1 or not self.ttft_s:
+            return 1000 * self.elapsed_s / max(per_req, 1)
+        decode = statistics.mean(e - t for e, t in zip(self.e2e_s, self.ttft_s, strict=True))
+        return 1000 * decode / (per_req - 1)
+
+    def percentile(self, values: list[float], q: float) -> float:
+        if not values:
+            return float("nan")
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def summary(self) -> dict:
+        return {
+            "name": self.name,
+            "num_prompts": self.num_prompts,
+            "output_tokens": self.output_tokens,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "output_tok_s": round(self.output_tok_s, 1),
+            "ms_per_token": round(self.ms_per_token, 3),
+            "e2e_p50_s": round(self.percentile(self.e2e_s, 0.50), 3),
+            "e2e_p95_s": round(self.percentile(self.e2e_s, 0.95), 3),
+            "ttft_p50_s": round(self.percentile(self.ttft_s, 0.50), 3),
+            "gpu_util_pct": self.gpu_util_pct,
+        }
+
+
+class GpuUtilSampler:
+    """Mean NVML GPU utilisation over a run, sampled every 50 ms on a thread; None without
+    NVML or a GPU."""
+
+    def __init__(self, device_index: int = 0) -> None:
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._nvml = pynvml
+        except Exception:  # no NVML library or no GPU: report None
+            self._nvml = None
+
+    def __enter__(self) -> GpuUtilSampler:
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            self.samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def mean(self) -> float | None:
+        return round(statistics.mean(self.samples), 1) if self.samples else None
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    """Device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate."""
+    if device.type != "cuda":
+        return {}
+    n = 1 << 30  # 2 GiB of bf16 per buffer
+    a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    copy_ms = _time_cuda(lambda: b.copy_(a))
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    mm_ms = _time_cuda(lambda: x @ y)
+    return {
+        "copy_tb_s": round(2 * n * 2 / copy_ms / 1e9, 3),
+        "bf16_matmul_tflop_s": round(2 * 8192**3 / mm_ms / 1e9, 1),
+    }
+
+
+def _time_cuda(fn, warmup: int = 3, iters: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run_lantau(llm, workload: Workload) -> RunStats:
+    """All requests at once; per-request TTFT and end-to-end from the run's start."""
+    engine = llm.engine
+    params = SamplingParams(
+        temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True, detokenize=False
+    )
+    warm = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": workload.prompts[0]}], warm)
+    ttft: dict[str, float] = {}
+    e2e: dict[str, float] = {}
+    num_tokens = 0
+    with GpuUtilSampler() as util:
+        start = time.perf_counter()
+        for i, prompt in enumerate(workload.prompts):
+            engine.add_request(f"b{i}", {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests:
+            outputs = engine.step()
+            now = time.perf_counter() - start
+            for out in outputs:
+                ttft.setdefault(out.request_id, now)
+                if out.finished:
+                    e2e[out.request_id] = now
+                    num_tokens += len(out.outputs[0].token_ids)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    ids = sorted(e2e)
+    return RunStats(
+        "lantau", len(ids), num_tokens, elapsed, [e2e[i] for i in ids], [ttft[i] for i in ids],
+        util.mean,
+    )  # fmt: skip
+
+
+def hf_config_of(model_config):
+    import transformers
+
+    m = model_config
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling is not None:
+        rope = {"rope_theta": m.rope_theta, **asdict(m.rope_scaling)}
+    return transformers.LlamaConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        head_dim=m.head_dim,
+        rms_norm_eps=m.rms_norm_eps,
+        rope_parameters=rope,
+        max_position_embeddings=m.max_position_embeddings,
+        tie_word_embeddings=m.tie_word_embeddings,
+    )
+
+
+def run_hf_peer(model_config, workload: Workload, device: torch.device, static: bool) -> RunStats:
+    """HF transformers `generate` in static batches of workload.peer_batch prompts."""
+    import transformers
+
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(hf_config_of(model_config)).to(torch.bfloat16)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    extra = {"cache_implementation": "static"} if static else {}
+    num_tokens, e2e = 0, []
+    with GpuUtilSampler() as util, torch.inference_mode():
+        batch = torch.tensor(workload.prompts[: workload.peer_batch], device=device)
+        model.generate(batch, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(0, workload.num_prompts, workload.peer_batch):
+            ids = workload.prompts[i : i + workload.peer_batch]
+            if len({len(p) for p in ids}) != 1:
+                raise ValueError("the HF peer needs equal-length prompts")
+            out = model.generate(
+                torch.tensor(ids, device=device),
+                attention_mask=torch.ones(len(ids), len(ids[0]), dtype=torch.long, device=device),
+                max_new_tokens=workload.max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                **extra,
+            )
+            torch.cuda.synchronize()
+            num_tokens += (out.shape[1] - len(ids[0])) * len(ids)
+            e2e += [time.perf_counter() - start] * len(ids)
+        elapsed = time.perf_counter() - start
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    name = "hf-static" if static else "hf"
+    return RunStats(name, len(e2e), num_tokens, elapsed, e2e, [], util.mean)
+
+
+def bench_offline(args) -> dict:
+    from lantau.llm import LLM, build_engine_config
+
+    config, _ = build_engine_config(args.model, dtype="auto", device="auto")
+    workload = make_workload(args.workload, config.model_config.vocab_size, args.num_prompts)
+    device = torch.device(config.device)
+    result = {"workload": workload.name, "model": args.model, "ceilings": measure_ceilings(device)}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the ceilings' buffers
+    if device.type == "cuda":
+        result["card"] = torch.cuda.get_device_name(device)
+    peers = []
+    for peer in args.peer or []:
+        num = args.peer_prompts or workload.num_prompts
+        sub = Workload(
+            workload.name, workload.prompts[:num], workload.max_tokens, workload.peer_batch
+        )
+        peers.append(run_hf_peer(config.model_config, sub, device, static=peer == "hf-static"))
+    max_len = max(len(p) for p in workload.prompts) + workload.max_tokens
+    llm = LLM(
+        args.model,
+        max_model_len=max(max_len, args.max_model_len or 0),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+    )
+    segments_before = _num_segments(device)
+    ours = run_lantau(llm, workload)
+    result["lantau"] = ours.summary()
+    result["new_segments_during_run"] = _num_segments(device) - segments_before
+    result["kv_blocks"] = llm.config.cache.num_blocks
+    result["peers"] = [p.summary() for p in peers]
+    return result
+
+
+def _num_segments(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
+
+
+def print_report(result: dict) -> None:
+    print(json.dumps(result, indent=1))
+    rows = [result["lantau"], *result["peers"]]
+    print(f"\n{result['workload']} on {result.get('card', 'cpu')}, ceilings {result['ceilings']}")
+    print(f"{'run':<10} {'tok/s':>10} {'ms/tok':>8} {'p50 e2e':>8} {'p95 e2e':>8} {'gpu %':>6}")
+    for r in rows:
+        print(
+            f"{r['name']:<10} {r['output_tok_s']:>10.1f} {r['ms_per_token']:>8.2f} "
+            f"{r['e2e_p50_s']:>8.2f} {r['e2e_p95_s']:>8.2f} {r['gpu_util_pct'] or 0:>6}"
+        )

@@ -1,0 +1,112 @@
+"""The two implementations of the model's non-GEMM ops: `torch` (reference, any device) and
+`triton` (fused kernels from lantau/kernels, CUDA). The model calls one `Ops` object; nothing
+else in it depends on the backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lantau.runner.attention import AttentionMetadata, paged_attention_ref, write_kv_cache
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim]: cos of each pair's angle, then its sin (fp32)."""
+    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+class TorchOps:
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    @classmethod
+    def add_rms_norm(cls, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+        residual = x + residual
+        return cls.rms_norm(residual, weight, eps), residual
+
+    @staticmethod
+    def rotary(q, k, positions, cos_sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half rotary embedding (HF's convention), in fp32."""
+        # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
+        cos, sin = cos_sin_cache[positions][:, None, :].chunk(2, dim=-1)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+        return rotate(q), rotate(k)
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def write_kv_cache(key, value, kv_cache, slot_mapping) -> None:
+        write_kv_cache(key, value, kv_cache, slot_mapping)
+
+    @staticmethod
+    def attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_ref(q, kv_cache, meta, scale)
+
+
+class TritonOps:
+    """Fused Triton kernels; decode-only steps take the split-context decode kernel."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from lantau.kernels import activation, kv_cache_write, paged_attention, rms_norm, rotary
+
+        self._act, self._kv = activation, kv_cache_write
+        self._attn, self._norm, self._rope = paged_attention, rms_norm, rotary
+
+    def rms_norm(self, x, weight, eps) -> torch.Tensor:
+        return self._norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        self._norm.fused_add_rms_norm(x, residual, weight, eps)  # in place on both
+        return x, residual
+
+    def rotary(self, q, k, positions, cos_sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        self._rope.apply_rotary(q, k, positions, cos_sin_cache)  # in place
+        return q, k
+
+    def silu_and_mul(self, x) -> torch.Tensor:
+        return self._act.silu_and_mul(x)
+
+    def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
+        self._kv.write_kv_cache(key, value, kv_cache, slot_mapping)
+
+    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if meta.is_decode_only:
+            self._attn.paged_decode_attention(
+                q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale
+            )
+        else:
+            self._attn.unified_attention(
+                q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                meta.max_query_len, meta.max_seq_len, scale,
+            )  # fmt: skip
+        return out
+
+
+Ops = TorchOps | TritonOps
+
+
+def make_ops(name: str) -> Ops:
+    if name == "torch":
+        return TorchOps()
+    if name == "triton":
+        return TritonOps()
+    raise ValueError(f"attention_backend: {name!r} is not one of torch, triton")
