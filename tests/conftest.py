@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-import transformers
+import os
+
+# Triton kernels run on CPU tensors through the interpreter; it must be chosen before any
+# module that defines a kernel is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 
 def save_tiny_hf_model(folder, config) -> transformers.PreTrainedModel:

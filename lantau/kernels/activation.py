@@ -1,0 +1,70 @@
+"""SiLU-and-multiply: the activation between LlamaMLP's fused gate_up_proj and down_proj."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# widest column tile of one program: past this a row is split over several programs, so that
+# decode batches of a few tokens still spread a wide MLP (d = 14336) over many SMs
+MAX_BLOCK_SIZE = 4096
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    x_row_stride,
+    out_row_stride,
+    d,
+    BLOCK_SIZE: tl.constexpr,  # next power of 2 of d, at most MAX_BLOCK_SIZE
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = cols < d
+    x_row = x_ptr + row * x_row_stride
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
+    out = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up], in fp32, rounded once to x's dtype.
+
+    x: [num_tokens, 2 * d], any row stride, last dim contiguous; out: [num_tokens, d] (new if
+    None), any row stride, last dim contiguous.
+    """
+    assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [num_tokens, 2 * d], {tuple(x.shape)}"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
+    assert x.stride(1) == 1, f"x rows must be contiguous, strides {x.stride()}"
+    num_tokens, d = x.shape[0], x.shape[1] // 2
+    if out is None:
+        out = torch.empty((num_tokens, d), dtype=x.dtype, device=x.device)
+    assert out.shape == (num_tokens, d), f"out {tuple(out.shape)} must be {(num_tokens, d)}"
+    assert out.dtype == x.dtype, f"out {out.dtype} != x {x.dtype}"
+    assert out.device == x.device, f"out on {out.device}, x on {x.device}"
+    assert out.stride(1) == 1, f"out rows must be contiguous, strides {out.stride()}"
+    if num_tokens == 0 or d == 0:
+        return out
+    block_size = min(triton.next_power_of_2(d), MAX_BLOCK_SIZE)
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block_size))](
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        d,
+        BLOCK_SIZE=block_size,
+        # about 8 elements per thread: 16-byte fp16 loads
+        num_warps=min(max(block_size // 256, 1), 16),
+    )
+    return out
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """Torch reference: LlamaMLP's `F.silu(gate) * up`, but rounded once, from fp32."""
+    # x: [num_tokens, 2 * d] -> [num_tokens, d]
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)

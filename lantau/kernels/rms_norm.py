@@ -1,0 +1,154 @@
+"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer.
+
+The math is lantau.model.llama.RMSNorm: normalise in fp32, round to the input dtype, then
+multiply by the weight and round again, so outputs match the torch module bit for bit up to the
+order of the fp32 sum of squares. One program normalises one token row held whole in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _normalize_row(x, weight_ptr, out_ptr, offs, mask, hidden_size, eps):
+    # x: [BLOCK_SIZE] fp32, padding lanes 0 so they add nothing to the sum of squares;
+    # out_ptr only gives the dtype to round to (the caller stores the result)
+    out_dtype = out_ptr.dtype.element_ty
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # round before the weight multiply, as RMSNorm.forward does (`weight * xf.to(x.dtype)`)
+    normed = (x * inv_rms).to(out_dtype).to(tl.float32)
+    return (normed * weight).to(out_dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    x_row_stride,
+    out_row_stride,
+    hidden_size,
+    eps,
+    BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_SIZE)
+    mask = offs < hidden_size
+    x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    out = _normalize_row(x, weight_ptr, out_ptr, offs, mask, hidden_size, eps)
+    tl.store(out_ptr + row * out_row_stride + offs, out, mask=mask)
+
+
+@triton.jit
+def _fused_add_rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    x_row_stride,
+    residual_row_stride,
+    hidden_size,
+    eps,
+    BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_SIZE)
+    mask = offs < hidden_size
+    x_row = x_ptr + row * x_row_stride
+    residual_row = residual_ptr + row * residual_row_stride
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    residual = tl.load(residual_row + offs, mask=mask, other=0.0).to(tl.float32)
+    # normalise the rounded sum, the value the next layer's residual add will read back
+    total = (x + residual).to(residual_ptr.dtype.element_ty)
+    tl.store(residual_row + offs, total, mask=mask)
+    out = _normalize_row(total.to(tl.float32), weight_ptr, x_ptr, offs, mask, hidden_size, eps)
+    tl.store(x_row + offs, out, mask=mask)
+
+
+def _check_rows(name: str, t: torch.Tensor, weight: torch.Tensor) -> None:
+    """A [num_tokens, hidden_size] tensor with contiguous rows, matching weight."""
+    assert t.dim() == 2, f"{name} must be [num_tokens, hidden_size], got {tuple(t.shape)}"
+    assert t.shape[1] == weight.shape[0], f"{name} {tuple(t.shape)} vs weight {weight.shape[0]}"
+    assert t.dtype in (torch.float32, torch.float16, torch.bfloat16), f"{name} dtype {t.dtype}"
+    assert t.dtype == weight.dtype, f"{name} {t.dtype} != weight {weight.dtype}"
+    assert t.device == weight.device, f"{name} on {t.device}, weight on {weight.device}"
+    assert t.stride(1) == 1, f"{name} rows must be contiguous, strides {t.stride()}"
+
+
+def _num_warps(block_size: int) -> int:
+    # about 8 elements per thread: 16-byte fp16 loads without spilling the row
+    return min(max(block_size // 256, 1), 16)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of each row of x (any row stride) into out (new if None)."""
+    # x, out: [num_tokens, hidden_size]; weight: [hidden_size]
+    assert weight.dim() == 1 and weight.is_contiguous(), f"weight {tuple(weight.shape)}"
+    _check_rows("x", x, weight)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape, f"out {tuple(out.shape)} != x {tuple(x.shape)}"
+    _check_rows("out", out, weight)
+    num_tokens, hidden_size = x.shape
+    if num_tokens == 0:
+        return out
+    block_size = triton.next_power_of_2(hidden_size)
+    _rms_norm_kernel[(num_tokens,)](
+        x,
+        weight,
+        out,
+        x.stride(0),
+        out.stride(0),
+        hidden_size,
+        eps,
+        BLOCK_SIZE=block_size,
+        num_warps=_num_warps(block_size),
+    )
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: residual = x + residual (rounded to its dtype); x = RMSNorm(residual)."""
+    # x, residual: [num_tokens, hidden_size], any row strides; weight: [hidden_size]
+    assert weight.dim() == 1 and weight.is_contiguous(), f"weight {tuple(weight.shape)}"
+    _check_rows("x", x, weight)
+    _check_rows("residual", residual, weight)
+    assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
+    num_tokens, hidden_size = x.shape
+    if num_tokens == 0:
+        return
+    block_size = triton.next_power_of_2(hidden_size)
+    _fused_add_rms_norm_kernel[(num_tokens,)](
+        x,
+        residual,
+        weight,
+        x.stride(0),
+        residual.stride(0),
+        hidden_size,
+        eps,
+        BLOCK_SIZE=block_size,
+        num_warps=_num_warps(block_size),
+    )
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Torch reference: lantau.model.llama.RMSNorm.forward."""
+    # x: [num_tokens, hidden_size]
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """Torch reference of fused_add_rms_norm, in place like the kernel."""
+    residual.copy_(x + residual)
+    x.copy_(rms_norm_ref(residual, weight, eps))

@@ -1,0 +1,151 @@
+"""Rotary position embedding, rotate-half (HF / NeoX) convention, applied in place to q and k.
+
+cos_sin_cache row p holds cos(p * inv_freq) then sin(p * inv_freq), head_dim values in all:
+
+    cos_sin_cache[p] = | cos f_0 .. cos f_{h-1} | sin f_0 .. sin f_{h-1} |   h = head_dim // 2
+
+and element d < h of a head pairs with element d + h:
+    out[d]     = x[d]     * cos f_d - x[d + h] * sin f_d
+    out[d + h] = x[d + h] * cos f_d + x[d]     * sin f_d
+
+as lantau.model.llama.apply_rope computes it. One program rotates every q and k head of a token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(
+    row_ptr,
+    head_stride,
+    num_heads,
+    cos,
+    sin,
+    HALF_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # row_ptr: one token's first head; cos, sin: [BLOCK_HALF] fp32, 0 past HALF_DIM
+    heads = tl.arange(0, BLOCK_HEADS)
+    dims = tl.arange(0, BLOCK_HALF)
+    offs = heads[:, None] * head_stride + dims[None, :]  # [BLOCK_HEADS, BLOCK_HALF]
+    mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF_DIM)
+    x1 = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row_ptr + offs + HALF_DIM, mask=mask, other=0.0).to(tl.float32)
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(row_ptr + offs, out1.to(row_ptr.dtype.element_ty), mask=mask)
+    tl.store(row_ptr + offs + HALF_DIM, out2.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _apply_rotary_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_sin_cache_ptr,
+    q_row_stride,
+    q_head_stride,
+    k_row_stride,
+    k_head_stride,
+    num_heads,
+    num_kv_heads,
+    HALF_DIM: tl.constexpr,  # head_dim // 2; constexpr so x2's offset is known aligned
+    BLOCK_HALF: tl.constexpr,  # next power of 2 of HALF_DIM
+    BLOCK_Q_HEADS: tl.constexpr,  # next power of 2 of num_heads
+    BLOCK_K_HEADS: tl.constexpr,  # next power of 2 of num_kv_heads
+):
+    # int64: token * row_stride passes 2**31 on long prefills of wide models
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    dims = tl.arange(0, BLOCK_HALF)
+    cache_row = cos_sin_cache_ptr + position * (2 * HALF_DIM)
+    cos = tl.load(cache_row + dims, mask=dims < HALF_DIM, other=0.0)
+    sin = tl.load(cache_row + HALF_DIM + dims, mask=dims < HALF_DIM, other=0.0)
+    _rotate_heads(
+        q_ptr + token * q_row_stride,
+        q_head_stride,
+        num_heads,
+        cos,
+        sin,
+        HALF_DIM,
+        BLOCK_Q_HEADS,
+        BLOCK_HALF,
+    )
+    _rotate_heads(
+        k_ptr + token * k_row_stride,
+        k_head_stride,
+        num_kv_heads,
+        cos,
+        sin,
+        HALF_DIM,
+        BLOCK_K_HEADS,
+        BLOCK_HALF,
+    )
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Rotate q and k in place by the angles of each token's position.
+
+    q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]; both may be
+    strided views of a fused qkv output (any row and head stride, last dim contiguous).
+    positions: [num_tokens] int64. cos_sin_cache: [max_position, head_dim] fp32 contiguous,
+    from lantau.model.ops.build_cos_sin_cache. Positions are not range-checked (that would
+    need a device sync).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (
+        f"k {tuple(k.shape)} does not match q {tuple(q.shape)}"
+    )
+    assert head_dim % 2 == 0, f"head_dim must be even, got {head_dim}"
+    assert positions.shape == (num_tokens,), f"positions {tuple(positions.shape)}"
+    assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim, (
+        f"cos_sin_cache {tuple(cos_sin_cache.shape)} must be [max_position, {head_dim}]"
+    )
+    assert q.dtype == k.dtype, f"q {q.dtype} != k {k.dtype}"
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype}"
+    assert positions.dtype == torch.int64, f"positions must be int64, got {positions.dtype}"
+    assert cos_sin_cache.dtype == torch.float32, f"cos_sin_cache dtype {cos_sin_cache.dtype}"
+    assert q.device == k.device == positions.device == cos_sin_cache.device
+    assert q.stride(2) == 1 and k.stride(2) == 1, f"strides q {q.stride()}, k {k.stride()}"
+    assert positions.is_contiguous() and cos_sin_cache.is_contiguous()
+    if num_tokens == 0:
+        return
+    num_kv_heads = k.shape[1]
+    block_half = triton.next_power_of_2(head_dim // 2)
+    block_q_heads = triton.next_power_of_2(num_heads)
+    _apply_rotary_kernel[(num_tokens,)](
+        q,
+        k,
+        positions,
+        cos_sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        num_heads,
+        num_kv_heads,
+        HALF_DIM=head_dim // 2,
+        BLOCK_HALF=block_half,
+        BLOCK_Q_HEADS=block_q_heads,
+        BLOCK_K_HEADS=triton.next_power_of_2(num_kv_heads),
+        # the q tile (the larger) at about 8 elements per thread, each half a 16-byte fp16 load
+        num_warps=min(max(block_q_heads * block_half // 256, 1), 16),
+    )
+
+
+def apply_rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Torch reference, in place like the kernel: lantau.model.llama.apply_rope on q and k."""
+    # [num_tokens, 1, head_dim // 2] each
+    cos, sin = cos_sin_cache[positions][:, None, :].chunk(2, dim=-1)
+    for x in (q, k):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))

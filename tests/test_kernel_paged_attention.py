@@ -1,0 +1,299 @@
+"""Paged attention kernels vs lantau.runner.attention.paged_attention_ref and their own refs.
+
+Runs on CPU through the Triton interpreter. NOTE: triton.jit picks interpreted or compiled mode
+when a kernel module is imported, so TRITON_INTERPRET must be set before lantau.kernels loads.
+
+Caches are built adversarially: block ids shuffled, every slot no request owns (the tails of
+last blocks, spare blocks, block 0 that pads the tables) holds NaN, and `out` starts as NaN,
+so a read past seq_len or an unwritten row shows up as NaN in the result.
+
+bf16: the interpreter of Triton 3.6 multiplies bf16 tl.dot operands as their raw uint16 bits
+(numpy has no bf16); the `interpreter_bf16_dot` fixture upcasts them to fp32 first, as a GPU's
+bf16 MMA does with fp32 accumulation. The kernels themselves are unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402, F401  (fail, don't skip, when triton is missing)
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from lantau.kernels import paged_attention as pa  # noqa: E402
+from lantau.runner.attention import AttentionMetadata, paged_attention_ref  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (rtol, atol) against fp32 references: fp32 is exact up to summation order; half precision
+# rounds q, K, V, the probabilities fed to the PV dot and the output
+TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-2, 2e-2),
+    torch.bfloat16: (2e-2, 3e-2),
+}
+# (num_heads, num_kv_heads, head_dim): plain multi-head, and GQA 3 (not a power of 2: a tile
+# holds whole groups and leaves padding rows)
+HEAD_CONFIGS = [(4, 4, 32), (6, 2, 64)]
+# (seq_len, num_q) per request: decode at 17, a 37-token prefill, decode at 1, a 9-token chunk
+# after a 40-token cached prefix, decode at 70
+MIXED_BATCH = [(17, 1), (37, 37), (1, 1), (49, 9), (70, 1)]
+
+
+@pytest.fixture(autouse=True)
+def interpreter_bf16_dot(monkeypatch):
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            a, b = self.cast_impl(a, tl.float32), self.cast_impl(b, tl.float32)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def make_batch(
+    requests: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int = 16,
+    seed: int = 0,
+) -> dict:
+    """Random q and a NaN-poisoned paged cache holding each request's first seq_len tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [seq_len for seq_len, _ in requests]
+    query_lens = [num_q for _, num_q in requests]
+    num_blocks_per_req = [-(-seq_len // block_size) for seq_len in seq_lens]
+    num_blocks = sum(num_blocks_per_req) + 3  # spare blocks stay NaN
+    # block 0 pads the tables (as in the engine) and stays NaN: a masked block-table load that
+    # falls back to block 0 must not reach the output either
+    block_ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    max_blocks = max(num_blocks_per_req) + 1  # a padding column past every request's blocks
+    block_tables = torch.zeros((len(requests), max_blocks), dtype=torch.int32)
+    kv_shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.full(kv_shape, float("nan"), dtype=dtype)
+    flat_kv = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    for i, seq_len in enumerate(seq_lens):
+        ids = [block_ids.pop() for _ in range(num_blocks_per_req[i])]
+        block_tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        pos = torch.arange(seq_len)
+        slots = torch.tensor(ids, dtype=torch.long)[pos // block_size] * block_size
+        kv = torch.randn(2, seq_len, num_kv_heads, head_dim, generator=gen)
+        flat_kv[:, slots + pos % block_size] = kv.to(dtype)
+    query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    num_tokens = sum(query_lens)
+    return dict(
+        q=torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype),
+        kv_cache=kv_cache,
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        scale=head_dim**-0.5,
+    )
+
+
+def engine_ref(b: dict) -> torch.Tensor:
+    """paged_attention_ref in fp32, on the cache with NaN zeroed.
+
+    Its padded gather reads every slot of a request's blocks (and the padding block), and SDPA
+    turns a NaN key under the mask into a NaN row, so it needs finite unused slots.
+    """
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        query_start_loc=b["query_start_loc"],
+        seq_lens=b["seq_lens"],
+        block_tables=b["block_tables"],
+        max_query_len=b["max_query_len"],
+        max_seq_len=b["max_seq_len"],
+        query_start_loc_cpu=b["query_start_loc"].tolist(),
+        seq_lens_cpu=b["seq_lens"].tolist(),
+    )
+    kv_cache = torch.nan_to_num(b["kv_cache"].float(), nan=0.0)
+    return paged_attention_ref(b["q"].float(), kv_cache, meta, b["scale"])
+
+
+def run_unified(b: dict) -> torch.Tensor:
+    out = torch.full_like(b["q"], float("nan"))  # poisoned: every element must be written
+    pa.unified_attention(
+        b["q"],
+        b["kv_cache"],
+        out,
+        b["query_start_loc"],
+        b["seq_lens"],
+        b["block_tables"],
+        b["max_query_len"],
+        b["max_seq_len"],
+        b["scale"],
+    )
+    return out
+
+
+def run_decode(b: dict, num_splits: int | None) -> torch.Tensor:
+    out = torch.full_like(b["q"], float("nan"))
+    pa.paged_decode_attention(
+        b["q"],
+        b["kv_cache"],
+        out,
+        b["seq_lens"],
+        b["block_tables"],
+        b["max_seq_len"],
+        b["scale"],
+        num_splits=num_splits,
+    )
+    return out
+
+
+def unified_ref(b: dict) -> torch.Tensor:
+    return pa.unified_attention_ref(
+        b["q"], b["kv_cache"], b["query_start_loc"], b["seq_lens"], b["block_tables"], b["scale"]
+    )
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any(), "unwritten rows or NaN leaked from unused cache slots"
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEAD_CONFIGS)
+def test_unified_attention_mixed_batch(dtype, num_heads, num_kv_heads, head_dim):
+    b = make_batch(MIXED_BATCH, num_heads, num_kv_heads, head_dim, dtype)
+    out = run_unified(b)
+    ref = unified_ref(b)
+    assert_matches(out, ref, dtype)
+    assert_matches(out, engine_ref(b), dtype)
+    # the two references agree with each other to fp32 rounding
+    torch.testing.assert_close(ref, engine_ref(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2)])
+def test_unified_attention_small_tiles(monkeypatch, num_heads, num_kv_heads):
+    """16-row query tiles and 16-key tiles inside 32-token blocks: prefills span many tiles,
+    tile edges fall mid-block, and a request with no query rows sits mid-batch."""
+    monkeypatch.setattr(pa, "_PREFILL_BLOCK_M", 16)
+    monkeypatch.setattr(pa, "_BLOCK_N", 16)
+    requests = [(37, 37), (5, 0), (49, 9), (70, 1), (33, 20)]
+    b = make_batch(requests, num_heads, num_kv_heads, 32, torch.float32, block_size=32, seed=1)
+    out = run_unified(b)
+    assert_matches(out, unified_ref(b), torch.float32)
+    assert_matches(out, engine_ref(b), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unified_attention_decode_only_matches_decode_kernel(dtype):
+    # max_query_len 1 picks 16-row tiles: one token's query heads of a kv head per tile
+    b = make_batch([(17, 1), (1, 1), (70, 1), (33, 1)], 6, 2, 32, dtype, seed=2)
+    out = run_unified(b)
+    assert_matches(out, engine_ref(b), dtype)
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(run_decode(b, num_splits=2), out, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEAD_CONFIGS)
+def test_paged_decode_attention_splits_agree(dtype, num_heads, num_kv_heads, head_dim):
+    # 300 over 4 splits: 75 rounds up to 128-key splits (two 64-key tiles), the last one holds
+    # 44 keys and split 3 is empty; seq_len 1 leaves splits 1..3 empty
+    requests = [(1, 1), (17, 1), (70, 1), (300, 1), (129, 1)]
+    b = make_batch(requests, num_heads, num_kv_heads, head_dim, dtype, seed=3)
+    ref = pa.paged_decode_attention_ref(
+        b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
+    )
+    assert_matches(ref, engine_ref(b), torch.float32)
+    outs = {n: run_decode(b, n) for n in (None, 1, 2, 3, 4)}
+    for out in outs.values():
+        assert_matches(out, ref, dtype)
+    if dtype == torch.float32:  # splitting changes only the order of fp32 sums
+        for out in outs.values():
+            torch.testing.assert_close(out, outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_short_splits(monkeypatch):
+    """16-key tiles: splits of 16 or 32 keys that end mid-block and mid-context."""
+    monkeypatch.setattr(pa, "_DECODE_BLOCK_N", 16)
+    b = make_batch([(70, 1), (45, 1), (16, 1), (3, 1)], 6, 2, 32, torch.float32, seed=4)
+    ref = pa.paged_decode_attention_ref(
+        b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
+    )
+    for num_splits in (1, 2, 3, 4, 8):
+        assert_matches(run_decode(b, num_splits), ref, torch.float32)
+
+
+def test_empty_context_writes_zeros():
+    """seq_len 0 (a padding request in a captured graph) gives zeros, not 0 / 0."""
+    b = make_batch([(20, 1), (1, 1)], 4, 2, 32, torch.float32, seed=5)
+    b["seq_lens"][1] = 0
+    ref = pa.paged_decode_attention_ref(
+        b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
+    )
+    assert ref[1].eq(0).all()
+    for num_splits in (1, 4):
+        out = run_decode(b, num_splits)
+        assert out[1].eq(0).all()
+        assert_matches(out, ref, torch.float32)
+
+
+def test_default_num_splits():
+    cpu = torch.device("cpu")  # counts as a 132-SM H200: about 528 programs wanted
+    assert pa.default_num_splits(1, 8, 32768, cpu) == 64  # 8 programs a split
+    assert pa.default_num_splits(4, 8, 16384, cpu) == 16
+    assert pa.default_num_splits(8, 8, 8192, cpu) == 8
+    assert pa.default_num_splits(1, 8, 1000, cpu) == 2  # but no split under 256 keys
+    assert pa.default_num_splits(64, 8, 32768, cpu) == 1  # the batch alone fills the GPU
+    assert pa.default_num_splits(1, 1, 1 << 20, cpu) == pa._MAX_SPLITS
+    assert pa.default_num_splits(3, 2, 100, cpu) == 1
+
+
+def test_launchers_reject_bad_inputs():
+    b = make_batch([(17, 1), (37, 3)], 6, 2, 32, torch.float16)
+
+    def unified(**changes) -> None:
+        args = {**b, **changes}
+        out = changes.get("out", torch.empty_like(args["q"]))
+        pa.unified_attention(
+            args["q"],
+            args["kv_cache"],
+            out,
+            args["query_start_loc"],
+            args["seq_lens"],
+            args["block_tables"],
+            args["max_query_len"],
+            args["max_seq_len"],
+            args["scale"],
+        )
+
+    bad_inputs = [
+        dict(q=b["q"].float()),  # dtype differs from the cache
+        dict(out=torch.empty_like(b["q"], dtype=torch.float32)),
+        dict(seq_lens=b["seq_lens"].long()),
+        dict(query_start_loc=b["query_start_loc"].long()),
+        dict(block_tables=b["block_tables"].long()),
+        dict(query_start_loc=b["query_start_loc"][:-1]),
+        dict(q=b["q"][:, :5]),  # 5 query heads over 2 kv heads
+        dict(q=b["q"][:, :, :24]),  # head_dim differs from the cache (and is not a power of 2)
+        dict(q=b["q"].repeat_interleave(2, dim=2)[:, :, ::2]),  # head_dim not contiguous
+        dict(kv_cache=b["kv_cache"][0]),
+        dict(max_seq_len=10_000),  # more than the block table holds
+    ]
+    for changes in bad_inputs:
+        with pytest.raises(AssertionError):
+            unified(**changes)
+    with pytest.raises(AssertionError):  # decode wants exactly one query row per request
+        pa.paged_decode_attention(
+            b["q"], b["kv_cache"], torch.empty_like(b["q"]), b["seq_lens"],
+            b["block_tables"], b["max_seq_len"], b["scale"],
+        )  # fmt: skip
+    with pytest.raises(AssertionError):
+        q = b["q"][:2]
+        pa.paged_decode_attention(
+            q, b["kv_cache"], torch.empty_like(q), b["seq_lens"], b["block_tables"],
+            b["max_seq_len"], b["scale"], num_splits=0,
+        )  # fmt: skip

@@ -1,0 +1,267 @@
+"""Small Triton kernels vs their torch references and the lantau code they replace
+(lantau.model.ops.TorchOps, lantau.runner.attention.write_kv_cache, rope_inv_freq).
+
+Runs on CPU through the Triton interpreter. NOTE: triton.jit picks interpreted or compiled mode
+when a kernel module is imported, so TRITON_INTERPRET must be set before lantau.kernels loads.
+
+bf16 runs too, at a looser tolerance: the interpreter rounds fp32 -> bf16 toward zero (a GPU
+rounds to nearest), so its bf16 outputs can sit one or two bf16 ulps from torch's.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lantau.config import RopeScaling  # noqa: E402
+from lantau.kernels import activation  # noqa: E402
+from lantau.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from lantau.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref  # noqa: E402
+from lantau.kernels.rms_norm import (  # noqa: E402
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+from lantau.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
+from lantau.model import ops  # noqa: E402
+from lantau.model.llama import rope_inv_freq  # noqa: E402
+from lantau.model.ops import build_cos_sin_cache  # noqa: E402
+from lantau.runner import attention  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (rtol, atol) per dtype
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+NAN = float("nan")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    rtol, atol = TOLERANCES[expected.dtype]
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+def padded_rows(num_tokens: int, width: int, pad: int, dtype: torch.dtype) -> torch.Tensor:
+    """A [num_tokens, width] random view whose rows sit in a NaN-padded [.., width + pad] buffer.
+
+    Row stride != width exercises the stride arguments; the NaN columns catch stray writes.
+    """
+    buf = torch.full((num_tokens, width + pad), NAN, dtype=dtype)
+    buf[:, :width] = torch.randn(num_tokens, width, dtype=dtype)
+    return buf[:, :width]
+
+
+def assert_pad_untouched(view: torch.Tensor) -> None:
+    # view: [num_tokens, width] slice of a wider NaN-padded buffer
+    buf = view.as_strided((view.shape[0], view.stride(0)), (view.stride(0), 1))
+    assert buf[:, view.shape[1] :].isnan().all(), "kernel wrote past the end of a row"
+
+
+# ---------------------------------------------------------------- kv cache write
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 64), (1, 128), (3, 96)])
+def test_write_kv_cache(dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> None:
+    torch.manual_seed(0)
+    num_tokens, num_heads, num_blocks, block_size = 7, 2 * num_kv_heads, 4, 4
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    # fused qkv output with extra columns: key/value rows have stride != num_kv_heads * head_dim
+    qkv = padded_rows(num_tokens, q_size + 2 * kv_size, 8, dtype)
+    key = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    num_slots = num_blocks * block_size
+    slot_mapping = torch.randperm(num_slots)[:num_tokens]
+    slot_mapping[[1, 4]] = -1  # padding rows
+    is_valid = slot_mapping >= 0
+
+    poisoned = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), NAN, dtype=dtype)
+    cache = poisoned.clone()
+    write_kv_cache(key, value, cache, slot_mapping)
+    expected = poisoned.clone()
+    write_kv_cache_ref(key, value, expected, slot_mapping)
+    torch.testing.assert_close(cache, expected, rtol=0, atol=0, equal_nan=True)
+
+    # the code it replaces, given only the real rows (index_copy_ has no "skip")
+    replaced = poisoned.clone()
+    attention.write_kv_cache(key[is_valid], value[is_valid], replaced, slot_mapping[is_valid])
+    torch.testing.assert_close(cache, replaced, rtol=0, atol=0, equal_nan=True)
+
+    flat = cache.view(2, num_slots, num_kv_heads, head_dim)
+    is_written = torch.zeros(num_slots, dtype=torch.bool)
+    is_written[slot_mapping[is_valid]] = True
+    assert not flat[:, is_written].isnan().any(), "a real row was not written"
+    assert flat[:, ~is_written].isnan().all(), "a padding row or a foreign slot was written"
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_size", [96, 576])
+def test_rms_norm(dtype: torch.dtype, hidden_size: int) -> None:
+    torch.manual_seed(1)
+    num_tokens, eps = 5, 1e-5
+    x = padded_rows(num_tokens, hidden_size, 16, dtype) * 3
+    weight = (1 + 0.1 * torch.randn(hidden_size)).to(dtype)
+    out = padded_rows(num_tokens, hidden_size, 16, dtype).fill_(NAN)
+
+    assert rms_norm(x, weight, eps, out=out) is out
+    assert not out.isnan().any(), "an output element was not written"
+    assert_pad_untouched(out)
+    assert_close(out, rms_norm_ref(x, weight, eps))
+    assert_close(out, ops.TorchOps.rms_norm(x, weight, eps))
+    assert_close(rms_norm(x, weight, eps), out)  # freshly allocated output
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_size", [96, 576])
+def test_fused_add_rms_norm(dtype: torch.dtype, hidden_size: int) -> None:
+    torch.manual_seed(2)
+    num_tokens, eps = 5, 1e-6
+    x = padded_rows(num_tokens, hidden_size, 16, dtype)
+    residual = padded_rows(num_tokens, hidden_size, 8, dtype) * 4
+    weight = (1 + 0.1 * torch.randn(hidden_size)).to(dtype)
+
+    expected_out, expected_residual = ops.TorchOps.add_rms_norm(x, residual, weight, eps)
+    x_ref, residual_ref = x.clone(), residual.clone()
+    fused_add_rms_norm_ref(x_ref, residual_ref, weight, eps)
+
+    fused_add_rms_norm(x, residual, weight, eps)
+    assert_pad_untouched(x)
+    assert_pad_untouched(residual)
+    assert_close(residual, expected_residual)
+    assert_close(residual, residual_ref)
+    assert_close(x, expected_out)
+    assert_close(x, x_ref)
+
+
+# ---------------------------------------------------------------- rotary
+
+LLAMA3_SCALING = RopeScaling(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=256,  # small, so the ramp covers some frequencies
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3"])
+def test_apply_rotary(dtype: torch.dtype, head_dim: int, scaling: RopeScaling | None) -> None:
+    torch.manual_seed(3)
+    # head counts not powers of 2, so the head masks matter
+    num_tokens, num_heads, num_kv_heads, max_position = 6, 6, 3, 1024
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    # fused qkv with NaN v and pad columns: the kernel must touch only q and k
+    qkv = padded_rows(num_tokens, q_size + 2 * kv_size, 8, dtype)
+    qkv[:, q_size + kv_size :] = NAN
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.tensor([700, 3, 0, 1023, 3, 41])  # out of order, repeated, both ends
+
+    inv_freq = rope_inv_freq(head_dim, 500000.0, scaling)
+    cos_sin_cache = build_cos_sin_cache(inv_freq, max_position)
+    # the cache the model builds today, and the angles computed directly
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [num_tokens, head_dim // 2]
+    torch.testing.assert_close(cos_sin_cache[positions], torch.cat((freqs.cos(), freqs.sin()), -1))
+    expected_q, expected_k = ops.TorchOps.rotary(q, k, positions, cos_sin_cache)
+    q_ref, k_ref = q.clone(), k.clone()
+    apply_rotary_ref(q_ref, k_ref, positions, cos_sin_cache)
+
+    apply_rotary(q, k, positions, cos_sin_cache)
+    assert qkv[:, q_size + kv_size :].isnan().all(), "the kernel wrote into v or past the row"
+    assert_close(q, expected_q)
+    assert_close(k, expected_k)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+
+
+def test_rope_linear_scaling_cache() -> None:
+    # linear scaling reaches the cache only through rope_inv_freq
+    scaling = RopeScaling(rope_type="linear", factor=4.0)
+    plain = build_cos_sin_cache(rope_inv_freq(64, 10000.0, None), 64)
+    scaled = build_cos_sin_cache(rope_inv_freq(64, 10000.0, scaling), 256)
+    torch.testing.assert_close(scaled[::4], plain)
+
+
+# ---------------------------------------------------------------- SiLU and mul
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,max_block_size", [(96, 4096), (576, 4096), (576, 128)])
+def test_silu_and_mul(
+    dtype: torch.dtype, d: int, max_block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # max_block_size 128 splits each row over 5 programs, the last one partial
+    monkeypatch.setattr(activation, "MAX_BLOCK_SIZE", max_block_size)
+    torch.manual_seed(4)
+    num_tokens = 5
+    x = padded_rows(num_tokens, 2 * d, 16, dtype) * 3
+    out = padded_rows(num_tokens, d, 8, dtype).fill_(NAN)
+
+    assert silu_and_mul(x, out=out) is out
+    assert not out.isnan().any(), "an output element was not written"
+    assert_pad_untouched(out)
+    assert_close(out, silu_and_mul_ref(x))
+    assert_close(out, ops.TorchOps.silu_and_mul(x))  # rounds twice, in x's dtype
+    assert_close(silu_and_mul(x), out)  # freshly allocated output
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_launchers_reject_bad_inputs() -> None:
+    f32, f16 = torch.float32, torch.float16
+    key = torch.randn(3, 2, 64)
+    cache = torch.zeros(2, 2, 4, 2, 64)
+    slots = torch.arange(3)
+    with pytest.raises(AssertionError):  # cache dtype differs from key
+        write_kv_cache(key, key, cache.half(), slots)
+    with pytest.raises(AssertionError):  # int32 slot mapping
+        write_kv_cache(key, key, cache, slots.int())
+    with pytest.raises(AssertionError):  # heads not contiguous within a token
+        write_kv_cache(key.transpose(0, 1).contiguous().transpose(0, 1), key, cache, slots)
+    with pytest.raises(AssertionError):  # head_dim mismatch
+        write_kv_cache(key, key, torch.zeros(2, 2, 4, 2, 32), slots)
+
+    x, weight = torch.randn(3, 96), torch.ones(96)
+    with pytest.raises(AssertionError):  # weight dtype differs
+        rms_norm(x, weight.to(f16), 1e-6)
+    with pytest.raises(AssertionError):  # hidden size mismatch
+        rms_norm(x, torch.ones(95), 1e-6)
+    with pytest.raises(AssertionError):  # 3-D input
+        rms_norm(x[None], weight, 1e-6)
+    with pytest.raises(AssertionError):  # integer input
+        rms_norm(x.long(), weight.long(), 1e-6)
+    with pytest.raises(AssertionError):  # strided last dim
+        fused_add_rms_norm(x, torch.randn(96, 3).t(), weight, 1e-6)
+
+    q, k = torch.randn(3, 4, 64), torch.randn(3, 2, 64)
+    cos_sin_cache, positions = torch.zeros(16, 64), torch.arange(3)
+    with pytest.raises(AssertionError):  # fp16 cache
+        apply_rotary(q, k, positions, cos_sin_cache.to(f16))
+    with pytest.raises(AssertionError):  # q and k dtypes differ
+        apply_rotary(q, k.to(f16), positions, cos_sin_cache)
+    with pytest.raises(AssertionError):  # int32 positions
+        apply_rotary(q, k, positions.int(), cos_sin_cache)
+    with pytest.raises(AssertionError):  # cache width != head_dim
+        apply_rotary(q, k, positions, torch.zeros(16, 32, dtype=f32))
+    with pytest.raises(AssertionError):  # wrong number of positions
+        apply_rotary(q, k, torch.arange(4), cos_sin_cache)
+
+    with pytest.raises(AssertionError):  # odd width
+        silu_and_mul(torch.randn(3, 97))
+    with pytest.raises(AssertionError):  # out of the wrong width
+        silu_and_mul(torch.randn(3, 96), out=torch.empty(3, 96))
+    with pytest.raises(AssertionError):  # out of another dtype
+        silu_and_mul(torch.randn(3, 96), out=torch.empty(3, 48, dtype=f16))
