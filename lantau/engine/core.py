@@ -77,6 +77,20 @@ def profile_peak_bytes(config: EngineConfig, model, dtype: torch.dtype) -> int:
     return peak
 
 
+def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Raise InvalidRequestError for a prompt the engine cannot serve."""
+    if not prompt_token_ids:
+        raise InvalidRequestError("prompt", "is empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt",
+            f"{len(prompt_token_ids)} tokens leave no room for output within "
+            f"max_model_len={max_model_len}",
+        )
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError("prompt_token_ids", f"must be integers in [0, {vocab_size})")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.device = torch.device(config.device)
@@ -107,6 +121,7 @@ class EngineCore:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.num_generated_tokens = 0  # since start, for stats
         self.runner = ModelRunner(self.config, model, num_blocks, self.device)
         if self.device.type == "cuda" and not config.enforce_eager:
             if config.attention_backend != "triton":
@@ -114,19 +129,11 @@ class EngineCore:
             self.runner.capture_cuda_graphs()
 
     def validate(self, prompt_token_ids: list[int]) -> None:
-        """Raise InvalidRequestError for a prompt the engine cannot serve."""
-        max_len = self.config.scheduler.max_model_len
-        vocab = self.config.model_config.vocab_size
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "is empty")
-        if len(prompt_token_ids) >= max_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(prompt_token_ids)} tokens leave no room for output within "
-                f"max_model_len={max_len}",
-            )
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError("prompt_token_ids", f"must be integers in [0, {vocab})")
+        validate_prompt(
+            prompt_token_ids,
+            self.config.scheduler.max_model_len,
+            self.config.model_config.vocab_size,
+        )
 
     def add_request(self, request: Request) -> None:
         self.validate(request.prompt_token_ids)
@@ -147,4 +154,6 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
         result = self.runner.execute(out)
-        return self.scheduler.update(out, result)
+        outputs = self.scheduler.update(out, result)
+        self.num_generated_tokens += len(result.sampled_token_ids)
+        return outputs

@@ -1,6 +1,6 @@
-"""In-process engine: tokenization, `n` samples per prompt, detokenization and stop strings
-around an EngineCore. The offline `LLM` drives it; the server's frontend does the same work
-across a process boundary.
+"""The frontend's half of the engine: tokenization, `n` samples per prompt, detokenization
+and stop strings (OutputProcessor), and LLMEngine, which drives an in-process EngineCore with it.
+The server's AsyncLLM uses the same OutputProcessor across a process boundary.
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ class _RequestState:
     num_unfinished: int = 0
 
 
-class LLMEngine:
-    def __init__(self, core: EngineCore, tokenizer) -> None:
-        self.core = core
+class OutputProcessor:
+    """Turns core outputs (token ids per child request) into RequestOutputs per request."""
+
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
         self.states: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
 
@@ -57,63 +59,71 @@ class LLMEngine:
         return prompt, self.tokenizer.encode(prompt)
 
     def add_request(
-        self, request_id: str, prompt: str | dict, params: SamplingParams, priority: int = 0
-    ) -> None:
-        """Validate, then queue `params.n` sequences; nothing is queued if anything is wrong."""
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> list[Request]:
+        """Track a validated request; returns the `params.n` child Requests for the core."""
         if request_id in self.states:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        text, ids = self.tokenize(prompt)
-        self.core.validate(ids)
         state = _RequestState(RequestOutput(request_id, text, ids), num_unfinished=params.n)
-        eos = self.core.config.model_config.eos_token_ids
+        children = []
         for i in range(params.n):
             child_params = params
             if params.n > 1:
                 # each sample its own seed stream; sample 0 matches the same seed with n=1
                 seed = None if params.seed is None else params.seed + i
                 child_params = dataclasses.replace(params, n=1, seed=seed)
-            completion = CompletionOutput(
-                i, "", [], None, [] if params.logprobs is not None else None
-            )
+            logprobs = [] if params.logprobs is not None else None
             detok = None
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, child_params, ids)
-            state.sequences.append(_Sequence(completion, detok))
+            state.sequences.append(_Sequence(CompletionOutput(i, "", [], None, logprobs), detok))
             child_id = child_request_id(request_id, i)
             self.child_to_parent[child_id] = (request_id, i)
-            self.core.add_request(
-                Request(child_id, list(ids), child_params, eos, priority=priority)
+            children.append(
+                Request(child_id, list(ids), child_params, self.eos_token_ids, priority=priority)
             )
         state.output.outputs = [s.output for s in state.sequences]
         self.states[request_id] = state
+        return children
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns its unfinished child ids, for the core to abort."""
         state = self.states.pop(request_id, None)
         if state is None:
-            return
+            return []
         children = [child_request_id(request_id, i) for i in range(len(state.sequences))]
-        self.core.abort_requests(children)
-        for child in children:
-            self.child_to_parent.pop(child, None)
+        return [c for c in children if self.child_to_parent.pop(c, None) is not None]
 
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; the RequestOutputs it advanced (finished ones last seen here)."""
+    def process(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """(RequestOutputs advanced by these outputs, child ids a stop string ended).
+
+        A finished RequestOutput is returned once, with `finished` set, and then forgotten.
+        """
         touched: dict[str, RequestOutput] = {}
-        for core_out in self.core.step():
-            request_id = self._process(core_out)
+        stopped: list[str] = []
+        for core_out in core_outputs:
+            if core_out.request_id not in self.child_to_parent:
+                continue  # aborted while the step ran
+            request_id = self._process_one(core_out, stopped)
             touched[request_id] = self.states[request_id].output
         for request_id, output in touched.items():
-            state = self.states[request_id]
-            if state.num_unfinished == 0:
+            if self.states[request_id].num_unfinished == 0:
                 output.finished = True
                 del self.states[request_id]
-        return list(touched.values())
+        return list(touched.values()), stopped
 
-    def _process(self, core_out: EngineCoreOutput) -> str:
+    def _process_one(self, core_out: EngineCoreOutput, stopped: list[str]) -> str:
         request_id, index = self.child_to_parent[core_out.request_id]
         state = self.states[request_id]
         seq = state.sequences[index]
@@ -127,7 +137,7 @@ class LLMEngine:
                 out.logprobs.append(core_out.new_logprobs[i])
             if seq.detokenizer is not None and seq.detokenizer.add_token(token_id):
                 if reason is None:  # a stop string: the core does not know it ended
-                    self.core.abort_requests([core_out.request_id], FinishReason.STOP)
+                    stopped.append(core_out.request_id)
                 reason = FinishReason.STOP
                 out.stop_reason = seq.detokenizer.stop_reason
                 break
@@ -140,3 +150,42 @@ class LLMEngine:
             state.num_unfinished -= 1
             self.child_to_parent.pop(core_out.request_id)
         return request_id
+
+
+class LLMEngine:
+    """An EngineCore in this process, with the frontend's OutputProcessor around it."""
+
+    def __init__(self, core: EngineCore, tokenizer) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer, core.config.model_config.eos_token_ids)
+
+    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        return self.processor.tokenize(prompt)
+
+    def add_request(
+        self, request_id: str, prompt: str | dict, params: SamplingParams, priority: int = 0
+    ) -> None:
+        """Validate, then queue `params.n` sequences; nothing is queued if anything is wrong."""
+        text, ids = self.processor.tokenize(prompt)
+        self.core.validate(ids)
+        for child in self.processor.add_request(request_id, text, ids, params, priority):
+            self.core.add_request(child)
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_requests(self.processor.abort_request(request_id))
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.processor.has_unfinished_requests
+
+    @property
+    def states(self):
+        return self.processor.states
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the RequestOutputs it advanced (finished ones last seen here)."""
+        outputs, stopped = self.processor.process(self.core.step())
+        if stopped:
+            self.core.abort_requests(stopped, FinishReason.STOP)
+        return outputs

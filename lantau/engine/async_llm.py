@@ -1,0 +1,189 @@
+"""AsyncLLM: the server's handle on an engine core running in its own process.
+
+Tokenization, validation, detokenization and stop strings stay here (OutputProcessor), so the
+core process only ever sees token ids. `generate` is an async iterator of RequestOutputs;
+leaving it early (client disconnect, deadline, cancellation) aborts the request in the core,
+which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from lantau.config import EngineConfig
+from lantau.engine.core import validate_prompt
+from lantau.engine.core_process import HEARTBEAT_S, run_engine_core
+from lantau.engine.llm_engine import OutputProcessor
+from lantau.engine.protocol import (
+    AbortRequests,
+    AddRequests,
+    CoreOutputs,
+    CoreReady,
+    NewRequest,
+    StepStats,
+)
+from lantau.errors import InvalidRequestError
+from lantau.model.loader import ModelSource
+from lantau.outputs import RequestOutput
+from lantau.request import FinishReason, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process exited or stopped reporting."""
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, source: ModelSource, tokenizer) -> None:
+        self.config = config
+        self.source = source
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer, config.model_config.eos_token_ids)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.stats = StepStats()
+        self.last_report = 0.0  # time.monotonic() of the core's last message
+        self.last_progress = 0.0  # ... of its last message while requests were in flight
+        self.num_blocks = 0
+        self.dead: str | None = None  # why the engine is gone
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreOutputs)
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        """Spawn the core process and wait until its model is loaded."""
+        self._ipc_dir = tempfile.mkdtemp(prefix="lantau-")
+        in_addr = f"ipc://{self._ipc_dir}/in"
+        out_addr = f"ipc://{self._ipc_dir}/out"
+        self._ctx = zmq.asyncio.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.bind(in_addr)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.bind(out_addr)
+        mp = multiprocessing.get_context("spawn")
+        self.process = mp.Process(
+            target=run_engine_core,
+            args=(self.config, self.source, in_addr, out_addr),
+            name="lantau-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        ready = msgspec.msgpack.decode(
+            await asyncio.wait_for(self._out.recv(), timeout_s), type=CoreReady
+        )
+        if ready.error:
+            raise RuntimeError(f"engine core failed to start: {ready.error}")
+        self.num_blocks = ready.num_blocks
+        self.last_report = self.last_progress = time.monotonic()
+        self._tasks = [
+            asyncio.create_task(self._output_loop()),
+            asyncio.create_task(self._watch_process()),
+        ]
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if getattr(self, "process", None) is not None and self.process.is_alive():
+            self.process.terminate()
+            await asyncio.to_thread(self.process.join, 5)
+        if getattr(self, "_ctx", None) is not None:
+            self._ctx.destroy(linger=0)
+        with contextlib.suppress(OSError):
+            for name in ("in", "out"):
+                os.unlink(f"{self._ipc_dir}/{name}")
+            os.rmdir(self._ipc_dir)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def is_ready(self, max_silence_s: float) -> bool:
+        """Model loaded, the process alive, and the core heard from recently."""
+        if self.dead is not None or not self.process.is_alive():
+            return False
+        return time.monotonic() - self.last_report <= max_silence_s
+
+    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        text, ids = self.processor.tokenize(prompt)
+        validate_prompt(ids, self.max_model_len, self.config.model_config.vocab_size)
+        return text, ids
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | dict,
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """RequestOutputs as the request advances; the last one has `finished` set."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        text, ids = self.tokenize(prompt)
+        children = self.processor.add_request(request_id, text, ids, params, priority)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        finished = False
+        try:
+            await self._send(AddRequests([NewRequest.of(c) for c in children]))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:  # disconnect, deadline or error: free its blocks now
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        child_ids = self.processor.abort_request(request_id)
+        if child_ids and self.dead is None:
+            await self._send(AbortRequests(child_ids))
+
+    async def _send(self, msg) -> None:
+        await self._in.send(self._encoder.encode(msg))
+
+    async def _output_loop(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self._out.recv())
+            self.last_report = time.monotonic()
+            if msg.outputs:
+                self.last_progress = self.last_report
+            self.stats = msg.stats
+            for child_id, error in msg.rejected.items():
+                self._reject(child_id, error)
+            outputs, stopped = self.processor.process(msg.outputs)
+            if stopped:
+                await self._send(AbortRequests(stopped, FinishReason.STOP))
+            for output in outputs:
+                queue = self.queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+
+    def _reject(self, child_id: str, error: str) -> None:
+        request_id = child_id.rsplit("#", 1)[0]
+        queue = self.queues.get(request_id)
+        if queue is not None:
+            field, _, message = error.partition(": ")
+            queue.put_nowait(InvalidRequestError(field, message))
+
+    async def _watch_process(self) -> None:
+        """Fail every waiting request once the core process is gone."""
+        while self.process.is_alive():
+            await asyncio.sleep(HEARTBEAT_S)
+        self.dead = f"engine core exited with code {self.process.exitcode}"
+        logger.error(self.dead)
+        for queue in list(self.queues.values()):
+            queue.put_nowait(EngineDeadError(self.dead))

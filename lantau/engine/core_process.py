@@ -1,0 +1,89 @@
+"""The engine core in its own process: owns the device, runs a busy loop of steps, and talks
+to the frontend over two ZeroMQ sockets (requests in, per-step output diffs out)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import msgspec
+import zmq
+
+from lantau.config import EngineConfig
+from lantau.engine.core import EngineCore
+from lantau.engine.protocol import (
+    AbortRequests,
+    AddRequests,
+    CoreOutputs,
+    CoreReady,
+    FrontendMessage,
+    StepStats,
+)
+from lantau.errors import InvalidRequestError
+from lantau.model.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5  # an idle core still reports this often: the frontend's watchdog
+
+
+def core_stats(core: EngineCore) -> StepStats:
+    sched, kv = core.scheduler, core.kv_cache
+    return StepStats(
+        num_running=sched.num_running,
+        num_waiting=sched.num_waiting,
+        kv_cache_usage=kv.usage,
+        num_free_blocks=kv.num_free_blocks,
+        num_preemptions=sched.num_preemptions,
+        num_generated_tokens=core.num_generated_tokens,
+        timestamp=time.time(),
+    )
+
+
+def run_engine_core(
+    config: EngineConfig, source: ModelSource, input_addr: str, output_addr: str
+) -> None:
+    """Process entry point. Exits when the frontend process goes away."""
+    parent = os.getppid()
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.connect(output_addr)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.connect(input_addr)
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(FrontendMessage)
+    try:
+        core = EngineCore(config, source)
+    except Exception as e:  # report why, then exit: the frontend fails its start with it
+        out_sock.send(encoder.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}")))
+        return
+    core_config = core.config
+    out_sock.send(
+        encoder.encode(
+            CoreReady(core_config.cache.num_blocks, core_config.scheduler.max_model_len)
+        )
+    )
+    last_sent = 0.0
+    while os.getppid() == parent:
+        timeout_ms = 0 if core.has_unfinished_requests else int(HEARTBEAT_S * 1000)
+        rejected: dict[str, str] = {}
+        while in_sock.poll(timeout_ms):
+            _handle(core, decoder.decode(in_sock.recv()), rejected)
+            timeout_ms = 0
+        outputs = core.step() if core.has_unfinished_requests else []
+        now = time.monotonic()
+        if outputs or rejected or now - last_sent >= HEARTBEAT_S:
+            out_sock.send(encoder.encode(CoreOutputs(outputs, core_stats(core), rejected)))
+            last_sent = now
+
+
+def _handle(core: EngineCore, msg, rejected: dict[str, str]) -> None:
+    if isinstance(msg, AddRequests):
+        for new in msg.requests:
+            try:
+                core.add_request(new.to_request())
+            except InvalidRequestError as e:
+                rejected[new.request_id] = str(e)
+    elif isinstance(msg, AbortRequests):
+        core.abort_requests(msg.request_ids, msg.reason)

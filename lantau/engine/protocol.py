@@ -1,0 +1,81 @@
+"""Messages between the frontend and the engine-core process (msgspec over ZeroMQ).
+
+Frontend -> core: AddRequests, AbortRequests. Core -> frontend: CoreOutputs, one per step
+(only the requests that advanced: diffs, not whole states), and one at least every second so
+the frontend's watchdog sees the core is alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from lantau.request import FinishReason, Request, SamplingParams
+from lantau.scheduler.output import EngineCoreOutput
+
+
+class NewRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    priority: int
+
+    @classmethod
+    def of(cls, request: Request) -> NewRequest:
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.eos_token_ids,
+            request.priority,
+        )
+
+    def to_request(self) -> Request:
+        return Request(
+            self.request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            self.eos_token_ids,
+            priority=self.priority,
+        )
+
+
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    requests: list[NewRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+    reason: FinishReason = FinishReason.ABORT
+
+
+@dataclass
+class StepStats:
+    """The core's state after a step: for readiness, metrics and the web page."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # share of KV blocks in use
+    num_free_blocks: int = 0
+    num_preemptions: int = 0  # since start
+    num_generated_tokens: int = 0  # since start
+    timestamp: float = 0.0  # time.time() of the step
+
+
+class CoreOutputs(msgspec.Struct, array_like=True):
+    outputs: list[EngineCoreOutput]
+    stats: StepStats
+    # requests the core could not take (bad input that slipped past the frontend)
+    rejected: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class CoreReady(msgspec.Struct, array_like=True):
+    num_blocks: int
+    max_model_len: int
+    error: str | None = None
+
+
+FrontendMessage = AddRequests | AbortRequests
+
