@@ -48,6 +48,36 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from lantau.server.app import ServerConfig, serve
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        served_model_name=args.served_model_name or args.model or "SmolLM2-135M-Instruct",
+        api_keys=tuple(args.api_key or ()),
+    )
+    engine_args = dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+    )
+    if args.num_kv_blocks:
+        engine_args["num_kv_blocks"] = args.num_kv_blocks
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(serve(engine_args, config))
+
+
 def bench(args: argparse.Namespace) -> int:
     import json
 
@@ -70,6 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--max-tokens", type=int, default=256)
     p.set_defaults(func=chat)
+
+    p = sub.add_parser("serve", help="OpenAI and KServe v2 (HTTP, gRPC) server")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001, help="0: no gRPC server")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", action="append", help="repeat for several keys")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.set_defaults(func=serve)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)
     p = b.add_parser("offline", help="the in-process engine on a standard workload")

@@ -1,0 +1,1 @@
+"""Serving: OpenAI and KServe v2 routes over HTTP and gRPC."""

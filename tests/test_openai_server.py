@@ -1,0 +1,218 @@
+"""`lantau serve` as users run it (a real process on loopback), driven by the official
+`openai` client: outputs equal the offline engine's, streaming, errors, aborts free blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from lantau import LLM, SamplingParams
+
+MODEL = "random:tiny"
+API_KEY = "test-key-123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError("server did not become ready")
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "lantau.cli", "serve", MODEL, "--device", "cpu",
+        "--port", str(port), "--grpc-port", "0", "--max-model-len", "512",
+        "--num-kv-blocks", "128", "--api-key", API_KEY, "--api-key", "second-key",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(MODEL, device="cpu", max_model_len=512, num_kv_blocks=128)
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY)
+
+
+def status(base: str) -> dict:
+    return httpx.get(f"{base}/status", headers={"x-api-key": API_KEY}).json()
+
+
+def wait_idle(base: str, timeout: float = 10.0) -> dict:
+    """The engine has no request and every KV block is free (after its next heartbeat)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = status(base)
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_cache_usage"] == 0.0:
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"engine not idle: {status(base)}")
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_equals_offline(client, offline):
+    out = client.completions.create(
+        model=MODEL, prompt="The weather today", max_tokens=12, temperature=0
+    )
+    ref = offline.generate("The weather today", SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.choices[0].text == ref.outputs[0].text
+    assert out.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert out.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_chat_equals_offline_and_stream_matches(client, offline):
+    messages = [{"role": "user", "content": "Say something nice."}]
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0
+    )
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    assert full.choices[0].message.content == ref.text
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_stop_string_and_params(client, offline):
+    free = offline.generate("Once upon", SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
+    stop = free.text[5:8]
+    out = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert out.choices[0].text == free.text[: free.text.find(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    sampled = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, n=2, seed=5,
+        temperature=1.0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+        logprobs=True, top_logprobs=3, extra_body={"top_k": 20, "min_p": 0.01},
+    )  # fmt: skip
+    assert [c.index for c in sampled.choices] == [0, 1]
+    for choice in sampled.choices:
+        assert len(choice.logprobs.content) == 6
+        assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+    again = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, n=2, seed=5,
+        temperature=1.0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.01},
+    )  # fmt: skip
+    assert [c.message.content for c in again.choices] == [
+        c.message.content for c in sampled.choices
+    ]
+
+
+def test_async_client_concurrent_streams(server, offline):
+    async def one(aclient, i):
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=f"Number {i} is", max_tokens=8, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY)
+        return await asyncio.gather(*(one(aclient, i) for i in range(8)))
+
+    texts = asyncio.run(main())
+    refs = offline.generate(
+        [f"Number {i} is" for i in range(8)], SamplingParams(temperature=0, max_tokens=8)
+    )
+    assert texts == [r.outputs[0].text for r in refs]
+    wait_idle(server)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(max_tokens=0), openai.BadRequestError),
+        (dict(temperature=-1.0), openai.BadRequestError),
+        (dict(top_p=1.5), openai.BadRequestError),
+        (dict(n=0), openai.BadRequestError),
+        (dict(model="no-such-model"), openai.NotFoundError),
+        (dict(prompt="word " * 600), openai.BadRequestError),  # over max_model_len
+    ],
+)
+def test_bad_requests(client, server, kwargs, error):
+    args = dict(model=MODEL, prompt="hello", max_tokens=4) | kwargs
+    with pytest.raises(error):
+        client.completions.create(**args)
+    wait_idle(server)
+
+
+def test_malformed_bodies_and_auth(server):
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    url = f"{server}/v1/completions"
+    for body in (b"{bad", b"[1, 2]", b'{"prompt": 5}', b'{"prompt": "x", "max_tokens": "9"}',
+                 b'{"prompt": "x", "stop": [1]}', b'\xff\xfe'):  # fmt: skip
+        r = httpx.post(url, content=body, headers=headers)
+        assert r.status_code == 400, (body, r.text)
+        assert "message" in r.json()["error"]
+    assert httpx.post(url, json={"prompt": "x"}).status_code == 401
+    assert httpx.post(url, json={"prompt": "x"}, headers={"x-api-key": "wrong"}).status_code == 401
+    ok = httpx.post(url, json={"prompt": "x", "max_tokens": 2}, headers={"x-api-key": "second-key"})
+    assert ok.status_code == 200
+    big = httpx.post(url, content=b'{"prompt": "' + b"a" * (5 << 20) + b'"}', headers=headers)
+    assert big.status_code == 413
+    assert httpx.get(f"{server}/health").status_code == 200  # probes need no key
+
+
+def test_disconnect_aborts_and_frees_blocks(server):
+    headers = {"x-api-key": API_KEY}
+    body = {"prompt": "Tell me a long story", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    before = wait_idle(server)["num_generated_tokens"]
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers) as r:
+        lines = r.iter_lines()
+        next(lines)  # the first chunk: the request is running
+        assert status(server)["num_running"] == 1
+    # the stream closed after one chunk: the engine must drop the request, not finish it
+    after = wait_idle(server)["num_generated_tokens"]
+    assert after - before < 480
+    body["stream"] = False
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=0.5)
+    assert wait_idle(server)["num_generated_tokens"] - after < 480
