@@ -59,6 +59,9 @@ def serve(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         served_model_name=args.served_model_name or args.model or "SmolLM2-135M-Instruct",
         api_keys=tuple(args.api_key or ()),
+        max_pending_requests=args.max_pending_requests,
+        max_pending_tokens=args.max_pending_tokens,
+        drain_timeout_s=args.drain_timeout,
     )
     engine_args = dict(
         model=args.model,
@@ -110,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", action="append", help="repeat for several keys")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-pending-requests", type=int, default=1024, help="then 429")
+    p.add_argument("--max-pending-tokens", type=int, default=1 << 20, help="then 429")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
     p.set_defaults(func=serve)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)

@@ -45,9 +45,23 @@ class EngineDeadError(RuntimeError):
     """The engine-core process exited or stopped reporting."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """Admission refused: too many requests or prompt tokens already pending."""
+
+
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, source: ModelSource, tokenizer) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        tokenizer,
+        max_pending_requests: int = 1024,
+        max_pending_tokens: int = 1 << 20,
+    ) -> None:
         self.config = config
+        self.max_pending_requests = max_pending_requests
+        self.max_pending_tokens = max_pending_tokens
+        self.num_pending_tokens = 0  # prompt tokens of requests in flight, times n
         self.source = source
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer, config.model_config.eos_token_ids)
@@ -130,9 +144,18 @@ class AsyncLLM:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         text, ids = self.tokenize(prompt)
+        num_tokens = len(ids) * params.n
+        if (
+            len(self.queues) >= self.max_pending_requests
+            or self.num_pending_tokens + num_tokens > self.max_pending_tokens
+        ):
+            raise EngineOverloadedError(
+                f"{len(self.queues)} requests and {self.num_pending_tokens} prompt tokens pending"
+            )
         children = self.processor.add_request(request_id, text, ids, params, priority)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
+        self.num_pending_tokens += num_tokens
         finished = False
         try:
             await self._send(AddRequests([NewRequest.of(c) for c in children]))
@@ -144,6 +167,7 @@ class AsyncLLM:
                 yield item
         finally:
             self.queues.pop(request_id, None)
+            self.num_pending_tokens -= num_tokens
             if not finished:  # disconnect, deadline or error: free its blocks now
                 await self.abort(request_id)
 

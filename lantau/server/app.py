@@ -33,6 +33,28 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 << 20
     ready_max_silence_s: float = 5.0  # readiness needs a core report this recent
+    max_pending_requests: int = 1024  # admission: beyond these, 429
+    max_pending_tokens: int = 1 << 20
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may take
+
+
+@dataclass
+class ServerState:
+    draining: bool = False  # SIGTERM seen: not ready, new requests get 503
+
+
+class DrainMiddleware:
+    """While draining, every route but the probes answers 503 (plain ASGI)."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.state.draining and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            response = error_response(503, "server is shutting down", kind="server_error")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class APIKeyMiddleware:
@@ -60,15 +82,17 @@ def _authorized(headers: Headers, keys: tuple[str, ...]) -> bool:
     return any(matches)
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
+def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState | None = None) -> FastAPI:
     app = FastAPI(title="lantau", docs_url=None, redoc_url=None)
+    state = state or ServerState()
     app.state.engine = engine
 
     def is_ready() -> bool:
-        return engine.is_ready(config.ready_max_silence_s)
+        return not state.draining and engine.is_ready(config.ready_max_silence_s)
 
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys)
+    app.add_middleware(DrainMiddleware, state=state)  # outermost: refuses before auth
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -88,7 +112,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         """The engine's live state: for the web page and for tests."""
         stats = dataclasses.asdict(engine.stats)
         stats.update(
-            ready=is_ready(), num_kv_blocks=engine.num_blocks, model=config.served_model_name
+            ready=is_ready(),
+            draining=state.draining,
+            num_kv_blocks=engine.num_blocks,
+            num_in_flight=len(engine.queues),
+            engine_pid=engine.process.pid,
+            model=config.served_model_name,
         )
         return json_response(stats)
 
@@ -102,6 +131,34 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     return app
 
 
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM starts a drain: readiness goes false and new requests get 503 while the
+        in-flight ones finish (up to drain_timeout_s); then the server exits. A second
+        signal exits at once."""
+
+        def __init__(self, config, engine: AsyncLLM, state: ServerState, drain_timeout_s: float):
+            super().__init__(config)
+            self.engine, self.state, self.drain_timeout_s = engine, state, drain_timeout_s
+            self._loop = asyncio.get_running_loop()
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.state.draining:
+                return super().handle_exit(sig, frame)
+            self.state.draining = True
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+        async def _drain(self) -> None:
+            deadline = self._loop.time() + self.drain_timeout_s
+            while self.engine.queues and self._loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            self.should_exit = True
+
+    return DrainingServer
+
+
 async def serve(engine_args: dict, config: ServerConfig) -> int:
     """Start the engine, serve until stopped; non-zero when the engine died under us."""
     import uvicorn
@@ -110,9 +167,16 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
     from lantau.model.loader import load_tokenizer
 
     engine_config, source = build_engine_config(engine_args.pop("model"), **engine_args)
-    engine = AsyncLLM(engine_config, source, load_tokenizer(source))
+    engine = AsyncLLM(
+        engine_config,
+        source,
+        load_tokenizer(source),
+        max_pending_requests=config.max_pending_requests,
+        max_pending_tokens=config.max_pending_tokens,
+    )
     await engine.start()
-    app = build_app(engine, config)
+    state = ServerState()
+    app = build_app(engine, config, state)
     grpc_server = None
     if config.grpc_port:
         try:
@@ -124,10 +188,10 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
                 engine, config.served_model_name, config.host, config.grpc_port,
                 lambda: engine.is_ready(config.ready_max_silence_s),
             )  # fmt: skip
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                       http="httptools", access_log=False)
-    )  # fmt: skip
+    uvicorn_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level="warning", access_log=False
+    )
+    server = _draining_server_class()(uvicorn_config, engine, state, config.drain_timeout_s)
 
     async def watch_engine() -> None:
         while engine.dead is None:

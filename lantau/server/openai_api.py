@@ -17,7 +17,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from lantau.engine.async_llm import AsyncLLM
+from lantau.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from lantau.errors import InvalidRequestError
 from lantau.outputs import RequestOutput
 from lantau.request import SamplingParams
@@ -200,22 +200,27 @@ class OpenAIServer:
             params = sampling_params_from(body, chat=chat)
             prompt = self.chat_prompt(body) if chat else self.completion_prompt(body)
             priority = _get(body, "priority", int, 0)
-            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids)}"
-            self.engine.tokenize(prompt)  # validate now: errors before any stream starts
             stream = _get(body, "stream", bool, False)
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            deadline = _deadline(body, request)
         except APIError as e:
             return error_response(e.status, e.message, e.param, e.kind)
-        except InvalidRequestError as e:
-            return error_response(400, str(e), e.field)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids)}"
         results = self.engine.generate(request_id, prompt, params, priority)
+        try:  # the first output: admission, validation and engine errors surface before a stream
+            async with asyncio.timeout_at(deadline):
+                first = await anext(results)
+        except BaseException as e:
+            await results.aclose()
+            return _error_for(e)
+        results = _chain(first, results)
         if stream:
-            chunks = self._stream(request_id, results, params, chat, include_usage, request)
+            chunks = self._stream(request_id, results, params, chat, include_usage, deadline)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            final = await _collect_unless_disconnected(results, request)
-        except InvalidRequestError as e:
-            return error_response(400, str(e), e.field)
+            final = await _collect_unless_disconnected(results, request, deadline)
+        except BaseException as e:
+            return _error_for(e)
         if final is None:  # the client left; its request is aborted already
             return Response(status_code=499)
         return json_response(self._full_body(request_id, final, chat, params))
@@ -258,7 +263,7 @@ class OpenAIServer:
         params: SamplingParams,
         chat: bool,
         include_usage: bool,
-        request: Request,
+        deadline: float | None,
     ) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -278,6 +283,17 @@ class OpenAIServer:
                 body["usage"] = usage
             return b"data: " + orjson.dumps(body) + b"\n\n"
 
+        def delta_of(o) -> dict | None:
+            """The choice chunk for one sequence's new text, held back near stop strings."""
+            done = o.finish_reason is not None
+            end = len(o.text) if done else max(sent[o.index], len(o.text) - hold)
+            delta = o.text[sent[o.index] : end]
+            if not delta and not done:
+                return None
+            sent[o.index] = end
+            body = {"delta": {"content": delta}} if chat else {"text": delta}
+            return {"index": o.index, **body, "finish_reason": o.finish_reason, "logprobs": None}
+
         if chat:
             yield chunk(
                 [
@@ -289,52 +305,72 @@ class OpenAIServer:
                     for i in range(params.n)
                 ]
             )
+        # NOTE: a client disconnect closes this generator; the finally's aclose() aborts
         try:
-            async for output in results:
-                last = output
-                choices = []
-                for o in output.outputs:
-                    done = o.finish_reason is not None
-                    end = len(o.text) if done else max(sent[o.index], len(o.text) - hold)
-                    delta = o.text[sent[o.index] : end]
-                    if not delta and not done:
-                        continue
-                    sent[o.index] = end
-                    if chat:
-                        choices.append(
-                            {
-                                "index": o.index,
-                                "delta": {"content": delta},
-                                "finish_reason": o.finish_reason,
-                                "logprobs": None,
-                            }
-                        )
-                    else:
-                        choices.append(
-                            {
-                                "index": o.index,
-                                "text": delta,
-                                "finish_reason": o.finish_reason,
-                                "logprobs": None,
-                            }
-                        )
-                if choices:
-                    yield chunk(choices)
-        except InvalidRequestError as e:
-            yield (
-                b"data: "
-                + orjson.dumps({"error": {"message": str(e), "type": "invalid_request_error"}})
-                + b"\n\n"
-            )
+            async with asyncio.timeout_at(deadline):
+                async for output in results:
+                    last = output
+                    choices = [c for o in output.outputs if (c := delta_of(o)) is not None]
+                    if choices:
+                        yield chunk(choices)
+        except Exception as e:  # the stream has started: report in-band, then end it
+            yield b"data: " + _error_for(e).body + b"\n\n"
+        finally:
+            await results.aclose()
         if include_usage and last is not None:
             yield chunk([], _usage(last))
         yield b"data: [DONE]\n\n"
 
 
+async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]):
+    yield first
+    if not first.finished:
+        try:
+            async for output in rest:
+                yield output
+        finally:
+            await rest.aclose()
+
+
+def _deadline(body: dict, request: Request) -> float | None:
+    """Loop time by which the request must finish: `timeout` (s) in the body or the
+    `x-request-timeout` header."""
+    timeout = body.get("timeout", request.headers.get("x-request-timeout"))
+    if timeout is None:
+        return None
+    try:
+        seconds = float(timeout)
+    except (TypeError, ValueError):
+        raise APIError(400, "timeout: expected a number of seconds", "timeout") from None
+    if not seconds > 0:
+        raise APIError(400, "timeout: must be > 0", "timeout")
+    return asyncio.get_running_loop().time() + seconds
+
+
+def _error_for(e: BaseException) -> Response:
+    if isinstance(e, InvalidRequestError):
+        return error_response(400, str(e), e.field)
+    if isinstance(e, EngineOverloadedError):
+        response = error_response(429, f"server busy: {e}", kind="rate_limit_error")
+        response.headers["Retry-After"] = "1"
+        return response
+    if isinstance(e, TimeoutError):
+        return error_response(504, "the request's deadline passed; it was aborted", "timeout")
+    if isinstance(e, EngineDeadError):
+        return error_response(503, f"engine unavailable: {e}")
+    if isinstance(e, asyncio.CancelledError):
+        raise e
+    return error_response(500, f"{type(e).__name__}: {e}")
+
+
 async def _collect_unless_disconnected(
-    results: AsyncIterator[RequestOutput], request: Request, poll_s: float = 0.2
+    results: AsyncIterator[RequestOutput],
+    request: Request,
+    deadline: float | None,
+    poll_s: float = 0.2,
 ) -> RequestOutput | None:
-    """The final output, or None if the client disconnected first (the request is aborted)."""
+    """The final output, or None if the client disconnected first (the request is aborted);
+    TimeoutError past the deadline (the request is aborted too)."""
 
     async def collect() -> RequestOutput | None:
         final = None
@@ -343,6 +379,7 @@ async def _collect_unless_disconnected(
         return final
 
     task = asyncio.create_task(collect())
+    loop = asyncio.get_running_loop()
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=poll_s)
@@ -350,6 +387,8 @@ async def _collect_unless_disconnected(
                 return task.result()
             if await request.is_disconnected():
                 return None
+            if deadline is not None and loop.time() > deadline:
+                raise TimeoutError
     finally:
         if not task.done():
             task.cancel()

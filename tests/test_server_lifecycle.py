@@ -1,0 +1,155 @@
+"""Server behaviour under overload, deadlines, SIGTERM drain and a dead engine: real
+`lantau serve` processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import orjson
+import pytest
+
+from tests.test_openai_server import free_port, wait_ready
+
+MODEL = "random:tiny"
+
+
+class Server:
+    def __init__(self, *extra: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable, "-m", "lantau.cli", "serve", MODEL, "--device", "cpu",
+            "--port", str(self.port), "--grpc-port", "0", "--max-model-len", "512",
+            "--num-kv-blocks", "256", *extra,
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        wait_ready(self.base, self.proc)
+
+    def status(self) -> dict:
+        return httpx.get(f"{self.base}/status").json()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture()
+def make_server():
+    servers: list[Server] = []
+
+    def make(*extra: str) -> Server:
+        servers.append(Server(*extra))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+def wait_idle(server: Server, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = server.status()
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_cache_usage"] == 0.0:
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"engine not idle: {server.status()}")
+
+
+def long_body(max_tokens: int = 64, **extra) -> dict:
+    return {"prompt": "Count with me:", "max_tokens": max_tokens, "ignore_eos": True, **extra}
+
+
+def test_overload_gets_429_and_the_rest_succeed(make_server):
+    server = make_server("--max-pending-requests", "4")
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            calls = [
+                client.post(f"{server.base}/v1/completions", json=long_body()) for _ in range(40)
+            ]
+            return await asyncio.gather(*calls)
+
+    responses = asyncio.run(main())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}
+    assert codes.count(429) >= 20 and codes.count(200) >= 4
+    for r in responses:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 64
+    wait_idle(server)
+
+
+def test_deadline_aborts(make_server):
+    server = make_server()
+    before = wait_idle(server)["num_generated_tokens"]
+    r = httpx.post(f"{server.base}/v1/completions", json=long_body(480, timeout=0.3), timeout=30)
+    assert r.status_code == 504 and r.json()["error"]["param"] == "timeout"
+    after = wait_idle(server)["num_generated_tokens"]
+    assert after - before < 480
+    headers = {"x-request-timeout": "0.3"}
+    body = long_body(480, stream=True)
+    with httpx.stream("POST", f"{server.base}/v1/completions", json=body, headers=headers) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert any(b'"code":504' in e.encode() for e in events) and events[-1] == "data: [DONE]"
+    assert wait_idle(server)["num_generated_tokens"] - after < 480
+
+
+def test_sigterm_drains_in_flight_streams(make_server):
+    server = make_server("--drain-timeout", "60")
+
+    async def stream(client: httpx.AsyncClient) -> list[dict]:
+        body = long_body(48, stream=True)
+        chunks = []
+        async with client.stream("POST", f"{server.base}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(orjson.loads(line[6:]))
+        return chunks
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(stream(client)) for _ in range(20)]
+            while (await client.get(f"{server.base}/status")).json()["num_in_flight"] < 20:
+                await asyncio.sleep(0.05)
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            refused = await client.post(f"{server.base}/v1/completions", json=long_body(4))
+            health = await client.get(f"{server.base}/health")
+            return await asyncio.gather(*tasks), refused, health
+
+    results, refused, health = asyncio.run(main())
+    assert refused.status_code == 503 and health.status_code == 503
+    for chunks in results:
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(bool(c["choices"][0]["text"]) for c in chunks) >= 1
+    assert server.proc.wait(timeout=60) == 0
+
+
+def test_engine_death_fails_readiness_and_exits_nonzero(make_server):
+    server = make_server()
+    os.kill(server.status()["engine_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    saw_unready = False
+    while time.monotonic() < deadline and not saw_unready:
+        try:
+            saw_unready = httpx.get(f"{server.base}/health", timeout=1).status_code == 503
+        except httpx.HTTPError:
+            saw_unready = True  # already gone
+        time.sleep(0.1)
+    assert saw_unready
+    assert server.proc.wait(timeout=15) != 0
