@@ -12,7 +12,10 @@ import time
 
 import httpx
 import openai
+import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lantau import LLM, SamplingParams
 
@@ -216,3 +219,49 @@ def test_disconnect_aborts_and_frees_blocks(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=0.5)
     assert wait_idle(server)["num_generated_tokens"] - after < 480
+
+
+# --- fuzz: malformed requests never get a 5xx and never break the engine -------------------
+
+FIELDS = [
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "top_k", "min_p", "n", "stop", "seed", "stream", "logprobs", "top_logprobs",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "timeout", "priority",
+]  # fmt: skip
+
+
+def _bad_bodies():
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=True),
+        st.text(max_size=20),
+    )  # fmt: skip
+    values = st.recursive(
+        scalars,
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+        max_leaves=6,
+    )
+    body = st.dictionaries(st.sampled_from(FIELDS), values, min_size=1, max_size=6)
+    # NOTE: max_tokens forced out of range keeps every body invalid (and every request short)
+    bad = body.map(lambda b: {**b, "max_tokens": -1, "max_completion_tokens": -1})
+    raw = st.binary(max_size=64)
+    return st.one_of(bad.map(orjson.dumps), raw, values.map(orjson.dumps))
+
+
+def test_fuzz_malformed_requests(server):
+    client = httpx.Client(headers={"x-api-key": API_KEY}, timeout=30)
+    seen: list[int] = []
+
+    @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=_bad_bodies(), chat=st.booleans())
+    def fuzz(body: bytes, chat: bool) -> None:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        r = client.post(f"{server}{path}", content=body)
+        assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+        assert "message" in r.json()["error"]
+        seen.append(r.status_code)
+
+    fuzz()
+    assert len(seen) >= 500
+    ok = client.post(f"{server}/v1/completions", json={"prompt": "still alive", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    wait_idle(server)
