@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install run test lint format bench-cpu
+.PHONY: install system-deps run test lint format bench-cpu
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Debian packages the tests use: headless Chromium for the web page
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+system-deps:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
+
 run: install
 	$(VENV)/bin/lantau chat
 
@@ -29,7 +35,7 @@ format: install
 	$(VENV)/bin/ruff check --fix lantau tests benchmarks
 	$(VENV)/bin/ruff format lantau tests benchmarks
 
-test: lint
+test: lint system-deps
 	$(PY) -m pytest -q
 
 bench-cpu: install

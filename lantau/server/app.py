@@ -8,6 +8,7 @@ import dataclasses
 import hmac
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,8 +21,10 @@ from lantau.server.openai_api import error_response, json_response, make_openai_
 
 logger = logging.getLogger(__name__)
 
+WEB_PAGE = Path(__file__).parent / "static" / "index.html"
+
 # routes open without an API key: probes and scrapes
-OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready", "/metrics")
+OPEN_PATHS = ("/", "/health", "/v2/health/live", "/v2/health/ready", "/metrics")
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState | None 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.get("/")
+    async def index() -> Response:
+        """The web page: chat with the model (streaming) and the engine's live status."""
+        return Response(WEB_PAGE.read_bytes(), media_type="text/html")
 
     @app.get("/health")
     async def health() -> Response:
