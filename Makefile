@@ -25,7 +25,7 @@ system-deps:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
 
 run: install
-	$(VENV)/bin/lantau chat
+	$(VENV)/bin/lantau serve
 
 lint: install
 	$(VENV)/bin/ruff check lantau tests benchmarks
