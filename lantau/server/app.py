@@ -93,6 +93,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState | None 
     def is_ready() -> bool:
         return not state.draining and engine.is_ready(config.ready_max_silence_s)
 
+    app.state.is_ready = is_ready  # the gRPC server answers to the same readiness
+
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys)
     app.add_middleware(DrainMiddleware, state=state)  # outermost: refuses before auth
@@ -135,7 +137,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState | None 
     except ImportError:  # NOTE: the KServe routes land separately; OpenAI serves without them
         logger.warning("KServe v2 HTTP routes unavailable")
     else:
-        app.include_router(make_kserve_router(engine, config.served_model_name, is_ready))
+        app.include_router(
+            make_kserve_router(
+                engine, config.served_model_name, is_ready, max_body_bytes=config.max_body_bytes
+            )
+        )
     return app
 
 
@@ -194,7 +200,7 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
         else:
             grpc_server = await start_grpc_server(
                 engine, config.served_model_name, config.host, config.grpc_port,
-                lambda: engine.is_ready(config.ready_max_silence_s),
+                app.state.is_ready,
             )  # fmt: skip
     uvicorn_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning", access_log=False

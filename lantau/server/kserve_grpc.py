@@ -1,0 +1,246 @@
+"""The Triton / KServe v2 API over gRPC: `inference.GRPCInferenceService`.
+
+The servicer is built on tritonclient's compiled stubs, so one process can hold both the server
+and tritonclient (a second copy of the same .proto would clash in protobuf's registry). Tensor
+rules, validation and generation are kserve_http's KServeModel; this module only translates.
+
+    ModelInfer        one response with the whole text (a `stream` input is ignored)
+    ModelStreamInfer  requests interleave on one stream; a streaming request gets a response
+                      per text delta, the last with parameter triton_final_response = true
+Errors are status codes (NOT_FOUND, INVALID_ARGUMENT, UNAVAILABLE); inside a stream, a
+response with `error_message`, as Triton sends them. A cancelled call aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from lantau.server.kserve_http import (
+    MODEL_VERSION,
+    OUTPUT_NAME,
+    InferJob,
+    KServeError,
+    KServeModel,
+    Tensor,
+    check_tensor,
+    decode_raw_tensor,
+    encode_bytes_tensor,
+    invalid,
+)
+
+if TYPE_CHECKING:
+    from lantau.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+# which InferTensorContents field holds a datatype's values when they are not raw bytes
+CONTENTS_FIELDS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def decode_parameters(parameters) -> dict:
+    """map<string, InferParameter> as plain Python values."""
+    decoded = {}
+    for key, param in parameters.items():
+        which = param.WhichOneof("parameter_choice")
+        decoded[key] = getattr(param, which) if which else None
+    return decoded
+
+
+def decode_grpc_inputs(request: service_pb2.ModelInferRequest) -> list[Tensor]:
+    """Inputs from raw_input_contents (what tritonclient sends) or typed contents."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise invalid(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
+    tensors = []
+    for i, tensor in enumerate(request.inputs):
+        if raw:
+            values = decode_raw_tensor(tensor.name, tensor.datatype, raw[i])
+        elif tensor.datatype in CONTENTS_FIELDS:
+            values = list(getattr(tensor.contents, CONTENTS_FIELDS[tensor.datatype]))
+        else:
+            raise invalid(f"{tensor.name}: datatype {tensor.datatype!r} needs raw contents")
+        tensors.append(
+            check_tensor(Tensor(tensor.name, tensor.datatype, list(tensor.shape), values))
+        )
+    return tensors
+
+
+def parse_request(model: KServeModel, request: service_pb2.ModelInferRequest) -> InferJob:
+    model.check_model(request.model_name, request.model_version)
+    model.check_ready()
+    for output in request.outputs:
+        if output.name != OUTPUT_NAME:
+            raise invalid(f"unexpected inference output '{output.name}'")
+    parameters = decode_parameters(request.parameters)
+    return model.build_job(decode_grpc_inputs(request), parameters, request.id)
+
+
+def infer_response(
+    model: KServeModel, job: InferJob, text: str | None, is_final: bool | None = None
+) -> service_pb2.ModelInferResponse:
+    """A response holding `text` (no output when None); `is_final`: triton_final_response."""
+    response = service_pb2.ModelInferResponse(
+        model_name=model.name, model_version=MODEL_VERSION, id=job.client_id
+    )
+    if text is not None:
+        response.outputs.add(name=OUTPUT_NAME, datatype="BYTES", shape=job.output_shape)
+        response.raw_output_contents.append(encode_bytes_tensor([text.encode()]))
+    if is_final is not None:
+        response.parameters["triton_final_response"].bool_param = is_final
+    return response
+
+
+class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Health, metadata, config and inference; repository, statistics and shared memory are
+    left UNIMPLEMENTED by the base class."""
+
+    def __init__(self, model: KServeModel) -> None:
+        self.model = model
+
+    async def ServerLive(self, request, context) -> service_pb2.ServerLiveResponse:
+        return service_pb2.ServerLiveResponse(live=self.model.engine.dead is None)
+
+    async def ServerReady(self, request, context) -> service_pb2.ServerReadyResponse:
+        return service_pb2.ServerReadyResponse(ready=self.model.is_ready())
+
+    async def ServerMetadata(self, request, context) -> service_pb2.ServerMetadataResponse:
+        return service_pb2.ServerMetadataResponse(**self.model.server_metadata())
+
+    async def ModelReady(self, request, context) -> service_pb2.ModelReadyResponse:
+        # as Triton: an unknown model is "not ready" here, not an error
+        is_known = request.name == self.model.name and request.version in ("", MODEL_VERSION)
+        return service_pb2.ModelReadyResponse(ready=is_known and self.model.is_ready())
+
+    async def ModelMetadata(self, request, context) -> service_pb2.ModelMetadataResponse:
+        try:
+            self.model.check_model(request.name, request.version)
+        except KServeError as e:
+            await abort(context, e)
+        return json_format.ParseDict(self.model.metadata(), service_pb2.ModelMetadataResponse())
+
+    async def ModelConfig(self, request, context) -> service_pb2.ModelConfigResponse:
+        try:
+            self.model.check_model(request.name, request.version)
+        except KServeError as e:
+            await abort(context, e)
+        config = json_format.ParseDict(self.model.config(), model_config_pb2.ModelConfig())
+        return service_pb2.ModelConfigResponse(config=config)
+
+    async def ModelInfer(self, request, context) -> service_pb2.ModelInferResponse:
+        # NOTE: a cancelled call cancels this task, which leaves engine.generate: aborted
+        try:
+            job = parse_request(self.model, request)
+            return infer_response(self.model, job, await self.model.complete(job))
+        except KServeError as e:
+            await abort(context, e)
+
+    async def ModelStreamInfer(
+        self, request_iterator, context
+    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+        """Serve every request on the stream at once; responses interleave, matched by id."""
+        responses: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(self._read_stream(request_iterator, responses))
+        try:
+            while (response := await responses.get()) is not None:
+                yield response
+        finally:  # the client went away or the call ended: abort what is still running
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    async def _read_stream(self, request_iterator, responses: asyncio.Queue) -> None:
+        """A task per request; once the client closes its side and they finish, None."""
+        tasks: set[asyncio.Task] = set()
+        try:
+            async for request in request_iterator:
+                task = asyncio.create_task(self._serve_one(request, responses))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            await asyncio.gather(*tasks)
+        finally:
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            responses.put_nowait(None)  # however reading ended, the response stream ends
+
+    async def _serve_one(self, request, responses: asyncio.Queue) -> None:
+        try:
+            job = parse_request(self.model, request)
+            if job.is_stream:
+                await self._stream_deltas(job, request, responses)
+            else:
+                text = await self.model.complete(job)
+                response = infer_response(self.model, job, text, is_final=True)
+                responses.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+        except KServeError as e:
+            responses.put_nowait(stream_error(request, str(e)))
+        except Exception as e:  # a bug: say so on this request, keep the stream's others
+            logger.exception("ModelStreamInfer request %r failed", request.id)
+            responses.put_nowait(stream_error(request, f"internal error: {e}"))
+
+    async def _stream_deltas(self, job: InferJob, request, responses: asyncio.Queue) -> None:
+        # tritonclient's enable_empty_final_response: deltas, then an empty final response
+        has_empty_final = decode_parameters(request.parameters).get(
+            "triton_enable_empty_final_response", False
+        )
+        async with aclosing(self.model.stream(job)) as deltas:
+            async for delta, is_final in deltas:
+                if has_empty_final and not delta:
+                    continue
+                response = infer_response(self.model, job, delta, is_final and not has_empty_final)
+                responses.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+        if has_empty_final:
+            response = infer_response(self.model, job, None, is_final=True)
+            responses.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+
+
+def stream_error(request, message: str) -> service_pb2.ModelStreamInferResponse:
+    response = service_pb2.ModelInferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id
+    )
+    return service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
+
+
+async def abort(context: grpc.aio.ServicerContext, e: KServeError) -> None:
+    """End the call with the error's status code (raises)."""
+    await context.abort(grpc.StatusCode[e.code.name], str(e))
+
+
+async def start_grpc_server(
+    engine: AsyncLLM, model_name: str, host: str, port: int, is_ready: Callable[[], bool]
+) -> grpc.aio.Server:
+    """Serve `inference.GRPCInferenceService` on host:port; stop it with `await server.stop(s)`."""
+    server = grpc.aio.server(
+        options=[  # long prompts pass gRPC's 4 MiB default; the HTTP routes' limit holds here
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    service = InferenceService(KServeModel(engine, model_name, is_ready))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    bound_port = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    logger.info("KServe gRPC on %s:%d", host, bound_port)
+    return server

@@ -1,0 +1,684 @@
+"""The Triton / KServe v2 API over HTTP, and the protocol core that kserve_grpc shares.
+
+The model is seen the way TensorRT-LLM's ensemble shows itself to Triton clients: a BYTES
+`text_input` (one prompt), optional sampling tensors (`max_tokens` INT32, `temperature` FP32,
+...), a BYTES `text_output` (the generated text, without the prompt). Streams carry text deltas.
+
+Routes (`{name}` may hold slashes, as tritonclient sends names like `org/model` unquoted):
+
+    GET  /v2                                   server metadata
+    GET  /v2/health/live | /v2/health/ready    200, or 503
+    GET  /v2/models/{name}[/versions/{v}]      model metadata
+    GET  .../ready | .../config                model readiness | Triton-style config
+    POST .../infer                             JSON tensors or the binary tensor extension
+    POST .../generate | .../generate_stream    Triton's generate extension (JSON | SSE)
+
+Errors are `{"error": message}`: 404 unknown model, 400 bad input, 503 not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import importlib.metadata
+import itertools
+import logging
+import math
+import struct
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from lantau.engine.async_llm import EngineDeadError, EngineOverloadedError
+from lantau.errors import InvalidRequestError
+from lantau.outputs import RequestOutput
+from lantau.request import SamplingParams
+
+if TYPE_CHECKING:
+    from lantau.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MODEL_VERSION = "1"  # one version until the model repository serves several
+OUTPUT_NAME = "text_output"
+SERVER_EXTENSIONS = ("binary_tensor_data", "parameters", "model_configuration", "generate")
+
+
+# ---------------------------------------------------------------- protocol core (no HTTP)
+
+
+class ErrorCode(enum.Enum):
+    """Named as gRPC's status codes (kserve_grpc looks them up by name); values: HTTP status."""
+
+    INVALID_ARGUMENT = 400
+    NOT_FOUND = 404
+    RESOURCE_EXHAUSTED = 429  # admission refused (EngineOverloadedError): retry later
+    UNAVAILABLE = 503
+
+
+class KServeError(Exception):
+    def __init__(self, code: ErrorCode, message: str, http_status: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.http_status = http_status or code.value  # where HTTP has a closer status (413)
+
+
+def invalid(message: str) -> KServeError:
+    return KServeError(ErrorCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    datatype: str  # as metadata declares it; numbers are accepted in any numeric datatype
+    kind: type  # what the tensor's one element becomes: str, int, float, bool; list: strings
+    field: str | None = None  # the SamplingParams field it sets
+
+
+INPUT_SPECS = {
+    spec.name: spec
+    for spec in (
+        InputSpec("text_input", "BYTES", str),
+        InputSpec("max_tokens", "INT32", int, "max_tokens"),
+        InputSpec("temperature", "FP32", float, "temperature"),
+        InputSpec("top_p", "FP32", float, "top_p"),
+        InputSpec("top_k", "INT32", int, "top_k"),
+        InputSpec("repetition_penalty", "FP32", float, "repetition_penalty"),
+        InputSpec("presence_penalty", "FP32", float, "presence_penalty"),
+        InputSpec("frequency_penalty", "FP32", float, "frequency_penalty"),
+        InputSpec("random_seed", "UINT64", int, "seed"),
+        InputSpec("stream", "BOOL", bool),
+        InputSpec("stop_words", "BYTES", list, "stop"),
+        InputSpec("bad_words", "BYTES", list),
+        # TRT-LLM's flag; absent here means True (text_output is the generated text only)
+        InputSpec("exclude_input_in_output", "BOOL", bool),
+    )
+}
+
+# little-endian struct formats of the fixed-size datatypes (BYTES is length-prefixed)
+STRUCT_FORMATS = {
+    "BOOL": "?",
+    "INT8": "b",
+    "INT16": "h",
+    "INT32": "i",
+    "INT64": "q",
+    "UINT8": "B",
+    "UINT16": "H",
+    "UINT32": "I",
+    "UINT64": "Q",
+    "FP16": "e",
+    "FP32": "f",
+    "FP64": "d",
+}
+CONFIG_TYPES = {"BYTES": "TYPE_STRING", **{t: f"TYPE_{t}" for t in STRUCT_FORMATS}}
+
+
+@dataclass
+class Tensor:
+    """One decoded input tensor; `values` flattened row-major, `bytes` for BYTES."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    values: list
+
+
+@dataclass(frozen=True)
+class InferJob:
+    """A validated request, ready for the engine."""
+
+    prompt: str
+    params: SamplingParams
+    priority: int
+    is_stream: bool  # the `stream` input; only gRPC's stream honours it
+    has_prompt_in_output: bool  # exclude_input_in_output=False; streams never repeat it
+    output_shape: list[int]  # text_output's shape: text_input's ([1] or [1, 1])
+    client_id: str  # the client's request id, echoed in responses
+
+
+_request_ids = itertools.count()
+
+
+def new_request_id(client_id: str) -> str:
+    """Unique across HTTP and gRPC; the client's id is kept for logs, never trusted alone."""
+    suffix = f"-{client_id[:64]}" if client_id else ""
+    return f"kserve-{next(_request_ids)}{suffix}"
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("lantau")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def decode_bytes_tensor(raw: bytes) -> list[bytes]:
+    """BYTES elements: each a 4-byte little-endian length, then that many bytes."""
+    values, offset = [], 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise invalid("BYTES tensor: truncated element length")
+        (size,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + size > len(raw):
+            raise invalid("BYTES tensor: element runs past the end of its data")
+        values.append(bytes(raw[offset : offset + size]))
+        offset += size
+    return values
+
+
+def encode_bytes_tensor(values: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(v)) + v for v in values)
+
+
+def decode_raw_tensor(name: str, datatype: str, raw: bytes) -> list:
+    """A tensor's values from its raw little-endian bytes (binary HTTP, gRPC raw contents)."""
+    if datatype == "BYTES":
+        return decode_bytes_tensor(raw)
+    fmt = STRUCT_FORMATS.get(datatype)
+    if fmt is None:
+        raise invalid(f"{name}: unsupported datatype {datatype!r}")
+    size = struct.calcsize(fmt)
+    if len(raw) % size:
+        raise invalid(f"{name}: {len(raw)} bytes is not a whole number of {datatype}")
+    return list(struct.unpack(f"<{len(raw) // size}{fmt}", raw))
+
+
+def check_tensor(tensor: Tensor) -> Tensor:
+    """A known datatype and a shape that holds exactly its values."""
+    if tensor.datatype not in CONFIG_TYPES:
+        raise invalid(f"{tensor.name}: unsupported datatype {tensor.datatype!r}")
+    if any(not isinstance(d, int) or d < 0 for d in tensor.shape):
+        raise invalid(f"{tensor.name}: bad shape {tensor.shape}")
+    if math.prod(tensor.shape) != len(tensor.values):
+        raise invalid(
+            f"{tensor.name}: shape {tensor.shape} does not hold {len(tensor.values)} values"
+        )
+    return tensor
+
+
+def convert(name: str, kind: type, value: Any) -> Any:
+    """One element as `kind`, or a 400 naming the input; bools are not numbers here."""
+    if kind is str and isinstance(value, bytes | str):
+        try:
+            return value.decode() if isinstance(value, bytes) else value
+        except UnicodeDecodeError:
+            raise invalid(f"{name}: not valid UTF-8") from None
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is bool and (isinstance(value, bool) or (is_number and value in (0, 1))):
+        return bool(value)
+    if kind is int and is_number and float(value).is_integer():
+        return int(value)
+    if kind is float and is_number:
+        return float(value)
+    raise invalid(f"{name}: must be {kind.__name__}, got {value!r}")
+
+
+class KServeModel:
+    """The one model lantau serves, as KServe v2 sees it; shared by the HTTP and gRPC routes."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, is_ready: Callable[[], bool]) -> None:
+        self.engine = engine
+        self.name = model_name
+        self.is_ready = is_ready
+
+    def check_model(self, name: str, version: str = "") -> None:
+        if name != self.name:
+            raise KServeError(ErrorCode.NOT_FOUND, f"Request for unknown model: '{name}'")
+        if version not in ("", MODEL_VERSION):
+            raise KServeError(
+                ErrorCode.NOT_FOUND, f"Request for unknown model: '{name}' version {version}"
+            )
+
+    def check_ready(self) -> None:
+        if not self.is_ready():
+            raise KServeError(ErrorCode.UNAVAILABLE, f"model '{self.name}' is not ready")
+
+    def server_metadata(self) -> dict:
+        return {"name": "lantau", "version": server_version(), "extensions": SERVER_EXTENSIONS}
+
+    def metadata(self) -> dict:
+        """KServe model metadata; every input is a one-element tensor, only text_input needed."""
+        inputs = [
+            {"name": s.name, "datatype": s.datatype, "shape": [-1]} for s in INPUT_SPECS.values()
+        ]
+        return {
+            "name": self.name,
+            "versions": [MODEL_VERSION],
+            "platform": "lantau",
+            "inputs": inputs,
+            "outputs": [{"name": OUTPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
+        }
+
+    def config(self) -> dict:
+        """Triton's model config (model_config.proto field names, as Triton's HTTP shows it)."""
+        inputs = [
+            {
+                "name": s.name,
+                "data_type": CONFIG_TYPES[s.datatype],
+                "dims": [-1],
+                "optional": s.name != "text_input",
+            }
+            for s in INPUT_SPECS.values()
+        ]
+        return {
+            "name": self.name,
+            "platform": "",
+            "backend": "lantau",
+            "version_policy": {"latest": {"num_versions": 1}},
+            "max_batch_size": 0,  # no batch dimension: one prompt a request
+            "input": inputs,
+            "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_STRING", "dims": [-1]}],
+            # decoupled: a streaming request gets many responses
+            "model_transaction_policy": {"decoupled": True},
+            "parameters": {"max_model_len": {"string_value": str(self.engine.max_model_len)}},
+        }
+
+    def build_job(self, inputs: list[Tensor], parameters: dict, client_id: str = "") -> InferJob:
+        """Validate the tensors (and request parameters standing in for absent ones)."""
+        tensors = index_inputs(inputs)
+        if "text_input" not in tensors:
+            raise invalid("text_input: missing input tensor")
+        values = {name: one_value(INPUT_SPECS[name], t) for name, t in tensors.items()}
+        for name, spec in INPUT_SPECS.items():  # vLLM-backend style: sampling in parameters
+            if name not in values and name in parameters and spec.kind is not list:
+                values[name] = convert(name, spec.kind, parameters[name])
+        if values.get("bad_words"):
+            raise invalid("bad_words: not supported")
+        kwargs = {INPUT_SPECS[n].field: v for n, v in values.items() if INPUT_SPECS[n].field}
+        try:
+            params = SamplingParams(**kwargs)
+        except InvalidRequestError as e:
+            raise invalid(str(e)) from None
+        return InferJob(
+            prompt=values["text_input"],
+            params=params,
+            priority=convert("priority", int, parameters.get("priority", 0)),
+            is_stream=values.get("stream", False),
+            has_prompt_in_output=not values.get("exclude_input_in_output", True),
+            output_shape=list(tensors["text_input"].shape),
+            client_id=str(client_id),
+        )
+
+    async def outputs(self, job: InferJob) -> AsyncIterator[RequestOutput]:
+        """The engine's cumulative outputs, its errors as KServeErrors.
+
+        Leaving this iterator early leaves engine.generate, which aborts the request.
+        """
+        request_id = new_request_id(job.client_id)
+        try:
+            async for out in self.engine.generate(request_id, job.prompt, job.params, job.priority):
+                yield out
+        except InvalidRequestError as e:
+            raise invalid(str(e)) from None
+        except EngineOverloadedError as e:
+            raise KServeError(ErrorCode.RESOURCE_EXHAUSTED, f"server busy: {e}") from None
+        except EngineDeadError as e:
+            raise KServeError(ErrorCode.UNAVAILABLE, f"engine unavailable: {e}") from None
+
+    async def stream(self, job: InferJob) -> AsyncIterator[tuple[str, bool]]:
+        """(text delta, is_final) as tokens arrive; the final one may be empty.
+
+        NOTE: a stop string found later cuts text already produced, so the last
+        (longest stop - 1) characters are held back until the request finishes.
+        """
+        hold = max((len(s) for s in job.params.stop), default=1) - 1
+        num_sent = 0
+        async with aclosing(self.outputs(job)) as outputs:
+            async for out in outputs:
+                text = out.outputs[0].text
+                end = len(text) if out.finished else max(num_sent, len(text) - hold)
+                if end > num_sent or out.finished:
+                    yield text[num_sent:end], out.finished
+                    num_sent = end
+
+    async def complete(self, job: InferJob) -> str:
+        text = ""
+        async with aclosing(self.outputs(job)) as outputs:
+            async for out in outputs:
+                text = out.outputs[0].text
+        return job.prompt + text if job.has_prompt_in_output else text
+
+
+def index_inputs(inputs: list[Tensor]) -> dict[str, Tensor]:
+    tensors: dict[str, Tensor] = {}
+    for tensor in inputs:
+        if tensor.name not in INPUT_SPECS:
+            raise invalid(f"unexpected inference input '{tensor.name}'")
+        if tensor.name in tensors:
+            raise invalid(f"{tensor.name}: given twice")
+        tensors[tensor.name] = tensor
+    return tensors
+
+
+def one_value(spec: InputSpec, tensor: Tensor) -> Any:
+    """The tensor's value: its one element, or for word lists its non-empty strings."""
+    if spec.kind is list:
+        words = [convert(spec.name, str, v) for v in tensor.values]
+        return [w for w in words if w]  # TRT-LLM clients send [[""]] for "none"
+    if len(tensor.values) != 1:
+        raise invalid(
+            f"{spec.name}: expected one element, got shape {tensor.shape} (one prompt a request)"
+        )
+    return convert(spec.name, spec.kind, tensor.values[0])
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+def json_response(body: Any, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code, media_type="application/json")
+
+
+def error_response(e: KServeError) -> Response:
+    response = json_response({"error": str(e)}, e.http_status)
+    if e.code is ErrorCode.RESOURCE_EXHAUSTED:
+        response.headers["Retry-After"] = "1"
+    return response
+
+
+def read_json(data: bytes) -> dict:
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise invalid(f"malformed JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+def flatten(data: Any) -> list:
+    """JSON tensor data may be nested row-major lists; KServe allows both."""
+    if not isinstance(data, list):
+        return [data]
+    return [v for item in data for v in flatten(item)]
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused past `max_bytes` before it is all read, and after decompression."""
+    too_large = KServeError(
+        ErrorCode.INVALID_ARGUMENT, f"request body exceeds {max_bytes} bytes", http_status=413
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    encoding = request.headers.get("content-encoding")
+    if encoding not in ("gzip", "deflate"):
+        return body
+    # 32 + MAX_WBITS: a gzip or zlib header, both of which tritonclient's options send
+    decompressor = zlib.decompressobj(32 + zlib.MAX_WBITS)
+    try:
+        body = decompressor.decompress(body, max_bytes + 1)
+    except zlib.error as e:
+        raise invalid(f"bad {encoding} body: {e}") from None
+    if len(body) > max_bytes or decompressor.unconsumed_tail:
+        raise too_large
+    return body
+
+
+def split_infer_body(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
+    """(JSON header, binary tail): the binary tensor extension puts raw tensors after the JSON."""
+    if header_length is None:
+        return read_json(body), b""
+    if not header_length.isdigit() or int(header_length) > len(body):
+        raise invalid(f"Inference-Header-Content-Length {header_length!r} is not in the body")
+    size = int(header_length)
+    return read_json(body[:size]), body[size:]
+
+
+def decode_http_inputs(header: dict, binary: bytes) -> list[Tensor]:
+    """The request's inputs; binary ones take their `binary_data_size` bytes in order."""
+    inputs = header.get("inputs")
+    if not isinstance(inputs, list):
+        raise invalid("inputs: must be a list of tensors")
+    tensors, offset = [], 0
+    for item in inputs:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise invalid("inputs: each tensor needs a name")
+        name, datatype = item["name"], item.get("datatype")
+        size = (item.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise invalid(f"{name}: binary_data_size {size!r} runs past the body")
+            values = decode_raw_tensor(name, datatype, binary[offset : offset + size])
+            offset += size
+        elif "data" in item:
+            values = flatten(item["data"])
+            if datatype == "BYTES":  # JSON carries BYTES elements as strings
+                values = [v.encode() if isinstance(v, str) else v for v in values]
+        else:
+            raise invalid(f"{name}: neither data nor binary_data_size")
+        shape = item.get("shape")
+        if not isinstance(shape, list):
+            raise invalid(f"{name}: shape must be a list")
+        tensors.append(check_tensor(Tensor(name, datatype, shape, values)))
+    if offset != len(binary):
+        raise invalid(f"{len(binary) - offset} bytes of binary data belong to no input")
+    return tensors
+
+
+def wants_binary_output(header: dict) -> bool:
+    """As tritonclient asks: per requested output, else the request's binary_data_output."""
+    is_binary = bool((header.get("parameters") or {}).get("binary_data_output", False))
+    outputs = header.get("outputs") or []
+    if not isinstance(outputs, list):
+        raise invalid("outputs: must be a list")
+    for output in outputs:
+        name = output.get("name") if isinstance(output, dict) else None
+        if name != OUTPUT_NAME:
+            raise invalid(f"unexpected inference output '{name}'")
+        is_binary = bool((output.get("parameters") or {}).get("binary_data", is_binary))
+    return is_binary
+
+
+def infer_response(model: KServeModel, job: InferJob, text: str, is_binary: bool) -> Response:
+    output: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": "BYTES", "shape": job.output_shape}
+    body: dict[str, Any] = {"model_name": model.name, "model_version": MODEL_VERSION}
+    if job.client_id:
+        body["id"] = job.client_id
+    body["outputs"] = [output]
+    if not is_binary:
+        output["data"] = [text]
+        return json_response(body)
+    raw = encode_bytes_tensor([text.encode()])
+    output["parameters"] = {"binary_data_size": len(raw)}
+    header = orjson.dumps(body)
+    return Response(
+        header + raw,
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+
+
+def generate_inputs(body: dict) -> list[Tensor]:
+    """Triton's generate extension: each top-level field (but `parameters`, `id`) a tensor."""
+    tensors = []
+    for name, value in body.items():
+        if name in ("parameters", "id"):
+            continue
+        spec = INPUT_SPECS.get(name)
+        if spec is None:
+            raise invalid(f"unexpected inference input '{name}'")
+        values = flatten(value)
+        if spec.datatype == "BYTES":
+            values = [v.encode() if isinstance(v, str) else v for v in values]
+        tensors.append(Tensor(name, spec.datatype, [len(values)], values))
+    return tensors
+
+
+def sse_event(body: dict) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    # NOTE: once the body is read, the ASGI receive() only returns at disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelled if the client leaves first: that aborts it in the engine."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
+def make_kserve_router(
+    engine: AsyncLLM,
+    model_name: str,
+    is_ready: Callable[[], bool],
+    *,
+    max_body_bytes: int = 64 << 20,
+) -> APIRouter:
+    """The KServe v2 HTTP routes for one model; `is_ready` answers the readiness probes."""
+    model = KServeModel(engine, model_name, is_ready)
+    router = APIRouter()
+
+    async def server_metadata() -> Response:
+        return json_response(model.server_metadata())
+
+    async def live() -> Response:
+        # a dead engine core cannot come back: let the orchestrator restart the process
+        return Response(status_code=200 if engine.dead is None else 503)
+
+    async def ready() -> Response:
+        return Response(status_code=200 if is_ready() else 503)
+
+    async def model_metadata(name: str, version: str = "") -> Response:
+        model.check_model(name, version)
+        return json_response(model.metadata())
+
+    async def model_ready(name: str, version: str = "") -> Response:
+        model.check_model(name, version)
+        return Response(status_code=200 if is_ready() else 503)
+
+    async def model_config(name: str, version: str = "") -> Response:
+        model.check_model(name, version)
+        return json_response(model.config())
+
+    async def infer(name: str, request: Request, version: str = "") -> Response:
+        model.check_model(name, version)
+        model.check_ready()
+        body = await read_body(request, max_body_bytes)
+        header, binary = split_infer_body(
+            body, request.headers.get("inference-header-content-length")
+        )
+        inputs = decode_http_inputs(header, binary)
+        is_binary = wants_binary_output(header)
+        job = model.build_job(inputs, header.get("parameters") or {}, header.get("id", ""))
+        text = await cancel_on_disconnect(request, model.complete(job))
+        return infer_response(model, job, text, is_binary)
+
+    async def parse_generate(name: str, request: Request, version: str) -> InferJob:
+        model.check_model(name, version)
+        model.check_ready()
+        body = read_json(await read_body(request, max_body_bytes))
+        parameters = body.get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise invalid("parameters: must be an object")
+        return model.build_job(generate_inputs(body), parameters, body.get("id", ""))
+
+    def generate_body(job: InferJob, text: str) -> dict:
+        body = {"model_name": model.name, "model_version": MODEL_VERSION, OUTPUT_NAME: text}
+        if job.client_id:
+            body["id"] = job.client_id
+        return body
+
+    async def generate(name: str, request: Request, version: str = "") -> Response:
+        job = await parse_generate(name, request, version)
+        text = await cancel_on_disconnect(request, model.complete(job))
+        return json_response(generate_body(job, text))
+
+    async def generate_stream(name: str, request: Request, version: str = "") -> Response:
+        job = await parse_generate(name, request, version)
+        deltas = model.stream(job)
+        # the first delta before the headers: a bad prompt still gets a plain 400
+        try:
+            first, _ = await cancel_on_disconnect(request, anext(deltas))
+        except BaseException:
+            await deltas.aclose()
+            raise
+
+        async def events() -> AsyncIterator[bytes]:
+            async with aclosing(deltas):
+                yield sse_event(generate_body(job, first))
+                try:
+                    async for delta, _ in deltas:
+                        yield sse_event(generate_body(job, delta))
+                except KServeError as e:  # headers are gone: report in the stream
+                    yield sse_event({"error": str(e)})
+                except Exception:
+                    logger.exception("generate_stream failed")
+                    yield sse_event({"error": "internal server error"})
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    routes: list[tuple[str, Callable, str]] = [
+        ("/v2", server_metadata, "GET"),
+        ("/v2/health/live", live, "GET"),
+        ("/v2/health/ready", ready, "GET"),
+    ]
+    # NOTE: `{name:path}` swallows slashes, so the longer patterns must be tried first
+    for prefix in ("/v2/models/{name:path}/versions/{version}", "/v2/models/{name:path}"):
+        routes += [
+            (f"{prefix}/ready", model_ready, "GET"),
+            (f"{prefix}/config", model_config, "GET"),
+            (f"{prefix}/infer", infer, "POST"),
+            (f"{prefix}/generate", generate, "POST"),
+            (f"{prefix}/generate_stream", generate_stream, "POST"),
+        ]
+    routes += [
+        ("/v2/models/{name:path}/versions/{version}", model_metadata, "GET"),
+        ("/v2/models/{name:path}", model_metadata, "GET"),
+    ]
+    for path, endpoint, method in routes:
+        router.add_api_route(path, with_kserve_errors(endpoint), methods=[method])
+    return router
+
+
+def with_kserve_errors(endpoint: Callable[..., Awaitable[Response]]) -> Callable:
+    """KServeError → its status and `{"error": ...}`; anything else is a bug, logged as one."""
+
+    @functools.wraps(endpoint)  # FastAPI reads the parameters through __wrapped__
+    async def wrapped(**kwargs) -> Response:
+        try:
+            return await endpoint(**kwargs)
+        except KServeError as e:
+            return error_response(e)
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+        except Exception:
+            logger.exception("KServe route %s failed", endpoint.__name__)
+            return json_response({"error": "internal server error"}, 500)
+
+    return wrapped
