@@ -60,9 +60,7 @@ def run_engine_core(
         return
     core_config = core.config
     out_sock.send(
-        encoder.encode(
-            CoreReady(core_config.cache.num_blocks, core_config.scheduler.max_model_len)
-        )
+        encoder.encode(CoreReady(core_config.cache.num_blocks, core_config.scheduler.max_model_len))
     )
     last_sent = 0.0
     while os.getppid() == parent:

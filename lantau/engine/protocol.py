@@ -78,4 +78,3 @@ class CoreReady(msgspec.Struct, array_like=True):
 
 
 FrontendMessage = AddRequests | AbortRequests
-
