@@ -7,19 +7,12 @@ import torch
 import transformers
 
 from lantau import LLM, SamplingParams
+from tests.conftest import TINY_LLAMA, save_tiny_hf_model
 
 NUM_PROMPTS, NUM_TOKENS = 8, 32
 
-COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    initializer_range=0.2,  # wide logits: no greedy near-ties by chance
-)
+# the shared tiny shape, without token ids: HF's defaults for each architecture apply
+COMMON = {k: v for k, v in TINY_LLAMA.items() if not k.endswith("_token_id")}
 
 CONFIGS = {
     "llama3": lambda: transformers.LlamaConfig(
@@ -47,13 +40,8 @@ def make_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def hf_model_dir(request, tmp_path_factory):
-    torch.manual_seed(1234)
-    config = CONFIGS[request.param]()
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     folder = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(folder)
-    model.generation_config.eos_token_id = None  # like ignore_eos: always NUM_TOKENS tokens
-    return folder, model
+    return folder, save_tiny_hf_model(folder, CONFIGS[request.param]())
 
 
 def hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:

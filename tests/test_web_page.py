@@ -9,7 +9,6 @@ import base64
 import itertools
 import json
 import shutil
-import socket
 import struct
 import subprocess
 import tempfile
@@ -21,23 +20,17 @@ import pytest
 import websockets
 
 from lantau import LLM, SamplingParams
-from tests.test_openai_server import API_KEY, MODEL, server  # noqa: F401 - the fixture
+from tests.test_openai_server import API_KEY, MODEL, free_port, server  # noqa: F401 - fixture
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 PROMPT = "Hi"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()
 def chromium():
     if CHROMIUM is None:
         pytest.fail("chromium is not installed: `make test` installs Debian's chromium package")
-    port = _free_port()
+    port = free_port()
     profile = tempfile.mkdtemp(prefix="lantau-chromium-")
     proc = subprocess.Popen(
         [
