@@ -1,0 +1,34 @@
+"""`lantau bench offline` end to end on CPU (the GPU runs it through benchmarks/gpu_h200.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from lantau.bench.workloads import make_workload
+
+
+def test_workloads_have_the_specified_shapes():
+    w5 = make_workload("W5", 128256)
+    assert w5.num_prompts == 256 and w5.max_tokens == 128
+    assert all(len(p) == 1024 and p[:512] == w5.prompts[0][:512] for p in w5.prompts)
+    w2 = make_workload("W2", 128256)
+    assert (w2.num_prompts, len(w2.prompts[0]), w2.max_tokens) == (1, 128, 512)
+    w3 = make_workload("W3-2048", 128256, num_prompts=3)
+    assert [len(p) for p in w3.prompts] == [2048] * 3 and w3.max_tokens == 128
+
+
+def test_bench_offline_cli(tmp_path):
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "lantau.cli", "bench", "offline", "--model", "random:tiny",
+        "--workload", "in:24/out:6", "--num-prompts", "5", "--output", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    ours = result["lantau"]
+    assert ours["num_prompts"] == 5 and ours["output_tokens"] == 30
+    assert ours["output_tok_s"] > 0 and ours["e2e_p95_s"] >= ours["e2e_p50_s"] > 0
+    assert "lantau" in proc.stdout  # the printed table
