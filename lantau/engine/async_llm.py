@@ -180,21 +180,34 @@ class AsyncLLM:
         await self._in.send(self._encoder.encode(msg))
 
     async def _output_loop(self) -> None:
-        while True:
-            msg = self._decoder.decode(await self._out.recv())
-            self.last_report = time.monotonic()
-            if msg.outputs:
-                self.last_progress = self.last_report
-            self.stats = msg.stats
-            for child_id, error in msg.rejected.items():
-                self._reject(child_id, error)
-            outputs, stopped = self.processor.process(msg.outputs)
-            if stopped:
-                await self._send(AbortRequests(stopped, FinishReason.STOP))
-            for output in outputs:
-                queue = self.queues.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
+        try:
+            while True:
+                await self._handle_outputs(self._decoder.decode(await self._out.recv()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must fail requests, never leave them hanging
+            logger.exception("engine output loop failed")
+            self._fail_all(f"engine output loop failed: {type(e).__name__}: {e}")
+
+    async def _handle_outputs(self, msg: CoreOutputs) -> None:
+        self.last_report = time.monotonic()
+        if msg.outputs:
+            self.last_progress = self.last_report
+        self.stats = msg.stats
+        for child_id, error in msg.rejected.items():
+            self._reject(child_id, error)
+        outputs, stopped = self.processor.process(msg.outputs)
+        if stopped:
+            await self._send(AbortRequests(stopped, FinishReason.STOP))
+        for output in outputs:
+            queue = self.queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead = reason
+        for queue in list(self.queues.values()):
+            queue.put_nowait(EngineDeadError(reason))
 
     def _reject(self, child_id: str, error: str) -> None:
         request_id = child_id.rsplit("#", 1)[0]
@@ -207,7 +220,5 @@ class AsyncLLM:
         """Fail every waiting request once the core process is gone."""
         while self.process.is_alive():
             await asyncio.sleep(HEARTBEAT_S)
-        self.dead = f"engine core exited with code {self.process.exitcode}"
-        logger.error(self.dead)
-        for queue in list(self.queues.values()):
-            queue.put_nowait(EngineDeadError(self.dead))
+        logger.error("engine core exited with code %s", self.process.exitcode)
+        self._fail_all(f"engine core exited with code {self.process.exitcode}")

@@ -1,0 +1,64 @@
+"""AsyncLLM against a real engine-core process: streaming outputs, abort on early exit, and a
+failure in the output path fails requests instead of leaving them hanging."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lantau.engine.async_llm import AsyncLLM, EngineDeadError
+from lantau.llm import build_engine_config
+from lantau.model.loader import load_tokenizer
+from lantau.request import SamplingParams
+
+
+async def started_engine() -> AsyncLLM:
+    config, source = build_engine_config(
+        "random:tiny", device="cpu", max_model_len=256, num_kv_blocks=64
+    )
+    engine = AsyncLLM(config, source, load_tokenizer(source))
+    await engine.start()
+    return engine
+
+
+async def idle_stats(engine: AsyncLLM, timeout: float = 5.0):
+    """The core's report once it holds no request (heartbeats refresh it)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        s = engine.stats
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0.0:
+            return s
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"engine not idle: {engine.stats}")
+
+
+def test_generate_stream_abort_and_failure():
+    async def main():
+        engine = await started_engine()
+        try:
+            params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+            outputs = [o async for o in engine.generate("a", {"prompt_token_ids": [5, 6]}, params)]
+            assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 8
+            # one item per engine step; each is the same, growing RequestOutput (readers take
+            # deltas from it, so a slow reader skips nothing)
+            assert len(outputs) == 8 and all(o is outputs[0] for o in outputs)
+
+            long = SamplingParams(max_tokens=200, ignore_eos=True)
+            before = (await idle_stats(engine)).num_generated_tokens
+            async for _ in engine.generate("b", {"prompt_token_ids": [7, 8, 9]}, long):
+                break  # leave after the first token: the core must drop the request
+            assert "b" not in engine.queues
+            assert (await idle_stats(engine)).num_generated_tokens - before < 200
+
+            def broken(outputs):
+                raise RuntimeError("planted bug")
+
+            engine.processor.process = broken
+            with pytest.raises(EngineDeadError, match="planted bug"):
+                async for _ in engine.generate("c", {"prompt_token_ids": [1, 2]}, params):
+                    pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
