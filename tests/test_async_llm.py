@@ -46,8 +46,9 @@ def test_generate_stream_abort_and_failure():
 
             long = SamplingParams(max_tokens=200, ignore_eos=True)
             before = (await idle_stats(engine)).num_generated_tokens
-            async for _ in engine.generate("b", {"prompt_token_ids": [7, 8, 9]}, long):
-                break  # leave after the first token: the core must drop the request
+            stream = engine.generate("b", {"prompt_token_ids": [7, 8, 9]}, long)
+            await anext(stream)
+            await stream.aclose()  # leave after the first token: the core must drop it
             assert "b" not in engine.queues
             assert (await idle_stats(engine)).num_generated_tokens - before < 200
 
