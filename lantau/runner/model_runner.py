@@ -16,7 +16,7 @@ from lantau.config import EngineConfig
 from lantau.model.llama import LlamaForCausalLM
 from lantau.request import SamplingParams
 from lantau.runner.attention import AttentionMetadata, ForwardContext
-from lantau.sampling.sampler import Sampler, SamplingRow
+from lantau.sampling.sampler import Sampler, SamplingRow, uses_penalties
 from lantau.scheduler.output import RunnerOutput, SchedulerOutput
 
 
@@ -167,12 +167,16 @@ class ModelRunner:
         rows = []
         for request_id in inputs.sample_ids:
             state = self.states[request_id]
+            # NOTE: token history only feeds penalties; copying it per row per step would
+            # cost O(context) host time for every request
+            history = uses_penalties(state.params)
+            n = state.num_prompt_tokens
             rows.append(
                 SamplingRow(
                     params=state.params,
                     generator=self.generators.get(request_id),
-                    prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
-                    output_token_ids=state.token_ids[state.num_prompt_tokens :],
+                    prompt_token_ids=state.token_ids[:n] if history else [],
+                    output_token_ids=state.token_ids[n:] if history else [],
                 )
             )
         sampled = self.sampler(logits, rows)

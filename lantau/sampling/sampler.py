@@ -25,6 +25,7 @@ __all__ = [
     "SamplingRow",
     "apply_min_p",
     "apply_penalties",
+    "uses_penalties",
     "apply_top_k_top_p",
     "compute_logprobs",
 ]
@@ -47,7 +48,7 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]
 
 
-def _uses_penalties(params: SamplingParams) -> bool:
+def uses_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0
         or params.presence_penalty != 0.0
@@ -80,14 +81,14 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     Returns `logits` as float32 untouched (possibly the same tensor) when no row has a penalty.
     """
     logits = logits.float()
-    if not any(_uses_penalties(r.params) for r in rows):
+    if not any(uses_penalties(r.params) for r in rows):
         return logits
     num_rows, vocab_size = logits.shape
     device = logits.device
     # Rows without penalties contribute no tokens, so their counts stay zero and their
     # penalties (1, 0, 0) leave them as they are.
     output_counts = _token_counts(
-        [r.output_token_ids if _uses_penalties(r.params) else [] for r in rows],
+        [r.output_token_ids if uses_penalties(r.params) else [] for r in rows],
         num_rows,
         vocab_size,
         device,
