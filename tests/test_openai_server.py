@@ -123,6 +123,21 @@ def test_chat_equals_offline_and_stream_matches(client, offline):
     assert chunks[-1].usage.completion_tokens == 10
 
 
+def test_completion_logprobs(client, offline):
+    out = client.completions.create(
+        model=MODEL, prompt="The weather today", max_tokens=5, temperature=0, logprobs=2
+    )
+    ref = offline.generate(
+        "The weather today", SamplingParams(temperature=0, max_tokens=5, logprobs=2)
+    )[0].outputs[0]
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text
+    expected = [entry[t].logprob for entry, t in zip(ref.logprobs, ref.token_ids, strict=True)]
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-5)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
 def test_stop_string_and_params(client, offline):
     free = offline.generate("Once upon", SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
     stop = free.text[5:8]

@@ -128,6 +128,31 @@ def _logprobs_chat(output, tokenizer, num_top: int) -> dict | None:
     return {"content": content}
 
 
+def _logprobs_completion(output, tokenizer, num_top: int) -> dict | None:
+    """OpenAI's legacy completions logprobs: tokens, their logprobs, offsets, top-n maps."""
+    if output.logprobs is None:
+        return None
+
+    def piece(t: int) -> str:
+        return tokenizer.decode([t]) if tokenizer is not None else str(t)
+
+    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+    for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
+        text = piece(token_id)
+        tokens.append(text)
+        token_logprobs.append(entry[token_id].logprob)
+        top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:num_top]
+        top_logprobs.append({piece(t): lp.logprob for t, lp in top})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
 def _usage(output: RequestOutput) -> dict:
     completion = sum(len(o.token_ids) for o in output.outputs)
     prompt = len(output.prompt_token_ids)
@@ -236,16 +261,7 @@ class OpenAIServer:
                 choice["logprobs"] = _logprobs_chat(o, self.tokenizer, params.logprobs or 0)
             else:
                 choice["text"] = o.text
-                choice["logprobs"] = (
-                    None
-                    if o.logprobs is None
-                    else {
-                        "tokens": [str(t) for t in o.token_ids],
-                        "token_logprobs": [
-                            lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids, strict=False)
-                        ],
-                    }
-                )
+                choice["logprobs"] = _logprobs_completion(o, self.tokenizer, params.logprobs or 0)
             choices.append(choice)
         return {
             "id": request_id,
