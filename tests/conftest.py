@@ -40,3 +40,19 @@ def tiny_llama_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_hf_model(folder, transformers.LlamaConfig(**TINY_LLAMA))
     return folder
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, **extra):
+    """HF `generate` greedy on one prompt: (new token ids, the last step's logits)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **extra,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), out.logits[-1][0]

@@ -11,6 +11,7 @@ import transformers
 
 from lantau import LLM, SamplingParams
 from lantau.model.loader import DEFAULT_MODEL_FILE, default_model_path
+from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -45,15 +46,7 @@ def test_greedy_matches_hf_and_reads_as_english(llm, hf_model):
     for conv, out in zip(conversations, outputs, strict=True):
         ids = llm.encode_chat(conv)
         assert out.prompt_token_ids == ids
-        with torch.no_grad():
-            hf = hf_model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NUM_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        assert out.outputs[0].token_ids == hf[0, len(ids) :].tolist()
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, NUM_TOKENS)[0]
     texts = [o.outputs[0].text for o in outputs]
     assert "Paris" in texts[0]
     for text in texts:

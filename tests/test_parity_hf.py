@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from lantau import LLM, SamplingParams
-from tests.conftest import TINY_LLAMA, save_tiny_hf_model
+from tests.conftest import TINY_LLAMA, hf_greedy, save_tiny_hf_model
 
 NUM_PROMPTS, NUM_TOKENS = 8, 32
 
@@ -44,20 +44,6 @@ def hf_model_dir(request, tmp_path_factory):
     return folder, save_tiny_hf_model(folder, CONFIGS[request.param]())
 
 
-def hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), out.logits[-1][0]
-
-
 def test_greedy_and_logits_match_hf(hf_model_dir):
     folder, hf_model = hf_model_dir
     prompts = make_prompts()
@@ -66,7 +52,7 @@ def test_greedy_and_logits_match_hf(hf_model_dir):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     last_logits = llm.engine.core.runner.last_logits
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-        hf_tokens, hf_logits = hf_greedy(hf_model, prompt)
+        hf_tokens, hf_logits = hf_greedy(hf_model, prompt, NUM_TOKENS)
         assert output.outputs[0].token_ids == hf_tokens, f"prompt {i}"
         ours = last_logits[f"{output.request_id}#0"].float()
         assert (ours - hf_logits).abs().max().item() <= 1e-4, f"prompt {i}"
@@ -94,13 +80,5 @@ def test_repetition_penalty_matches_hf(tiny_llama_dir):
         for a, b in zip(outputs, plain, strict=True)
     )
     for prompt, output in zip(prompts, outputs, strict=True):
-        with torch.no_grad():
-            hf = hf_model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NUM_TOKENS,
-                do_sample=False,
-                repetition_penalty=1.3,
-                pad_token_id=0,
-            )
-        assert output.outputs[0].token_ids == hf[0, len(prompt) :].tolist()
+        hf_tokens, _ = hf_greedy(hf_model, prompt, NUM_TOKENS, repetition_penalty=1.3)
+        assert output.outputs[0].token_ids == hf_tokens

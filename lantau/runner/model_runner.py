@@ -69,8 +69,15 @@ class ModelRunner:
         # per-request generators outlive preemption, so a seeded request resumes its stream
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler(seed=config.seed, device=device)
-        self.last_logits: dict[str, torch.Tensor] = {}  # request id -> raw logits, last step
+        # the last sampling step's rows and raw logits, kept by reference for parity checks
+        self._last_sampled: tuple[list[str], torch.Tensor | None] = ([], None)
         self.graphs = None  # CudaGraphRunner, once captured
+
+    @property
+    def last_logits(self) -> dict[str, torch.Tensor]:
+        """Request id -> raw logits of the last step that sampled (built only when asked)."""
+        sample_ids, logits = self._last_sampled
+        return {} if logits is None else dict(zip(sample_ids, logits, strict=True))
 
     def capture_cuda_graphs(self) -> None:
         from lantau.runner.cuda_graph import CudaGraphRunner
@@ -163,7 +170,7 @@ class ModelRunner:
         logits = self._forward_logits(inputs)
         if not inputs.sample_ids:
             return RunnerOutput()
-        self.last_logits = dict(zip(inputs.sample_ids, logits, strict=True))  # parity checks
+        self._last_sampled = (inputs.sample_ids, logits)
         rows = []
         for request_id in inputs.sample_ids:
             state = self.states[request_id]
