@@ -167,6 +167,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str = "torch"  # "torch" (reference) | "triton" (fused kernels, CUDA)
     enforce_eager: bool = False  # no CUDA graphs
+    # schedule step N+1 while step N runs (engine/core.py); False: one step at a time
+    async_scheduling: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

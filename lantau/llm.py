@@ -51,6 +51,7 @@ def build_engine_config(
     enable_chunked_prefill: bool = True,
     attention_backend: str = "auto",
     enforce_eager: bool = False,
+    async_scheduling: bool = True,
 ):
     """The frozen EngineConfig and the model source, from user-facing arguments."""
     if tensor_parallel_size != 1:
@@ -77,6 +78,7 @@ def build_engine_config(
         tensor_parallel_size=tensor_parallel_size,
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling,
         cache=CacheConfig(
             block_size=block_size,
             num_blocks=num_kv_blocks,
@@ -105,6 +107,10 @@ class LLM:
     @property
     def config(self) -> EngineConfig:
         return self.engine.core.config
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix not in use (the next prompts start cold)."""
+        return self.engine.core.reset_prefix_cache()
 
     def generate(
         self,

@@ -104,7 +104,9 @@ class Request:
     """One sequence being generated: the scheduler's and KV manager's unit of work.
 
     `num_computed_tokens` catches up to `num_tokens`; the last token of a running request is
-    the one sampled in the previous step, whose KV is not written yet.
+    the one sampled in the previous step, whose KV is not written yet. With overlapped steps a
+    request may also be scheduled past its known tokens: `num_pending_tokens` were sampled in
+    steps whose results have not come back; the runner feeds them from the device.
     """
 
     request_id: str
@@ -117,7 +119,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or is being written)
+    num_pending_tokens: int = 0  # sampled in steps still in flight, not yet appended
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache; -1: not scheduled
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None

@@ -83,6 +83,10 @@ def test_prefix_caching_computes_only_the_rest(tiny_llama_dir):
     assert out2.num_cached_tokens == 3 * block  # the 3 shared blocks were not recomputed
     assert out2.outputs[0].token_ids == plain.generate(second, params)[0].outputs[0].token_ids
     check_clean(llm)
+    assert llm.reset_prefix_cache() > 0  # every block is free, so every hash goes
+    out3 = llm.generate(second, params)[0]
+    assert out3.num_cached_tokens == 0 and out3.outputs[0].token_ids == out2.outputs[0].token_ids
+    check_clean(llm)
 
 
 def test_seeded_sampling_reproducible_across_runs_and_batch_positions(tiny_llama_dir):
@@ -148,3 +152,122 @@ def test_logprobs(tiny_llama_dir):
         assert entry[token_id].rank == 1  # greedy picks the top token
         assert len(entry) == 3 and sorted(lp.rank for lp in entry.values()) == [1, 2, 3]
     assert out.cumulative_logprob < 0
+
+
+def _mixed_params(num: int, stop_tokens: dict[int, int] | None = None) -> list[SamplingParams]:
+    """Greedy, seeded top-k/top-p, penalties and logprobs, interleaved."""
+    rng = random.Random(7)
+    params = []
+    for i in range(num):
+        kind = i % 4
+        params.append(
+            SamplingParams(
+                temperature=0.0 if kind in (0, 2) else 0.8,
+                seed=None if kind in (0, 2) else 500 + i,
+                top_k=20 if kind == 1 else 0,
+                top_p=0.9 if kind == 3 else 1.0,
+                repetition_penalty=1.3 if kind == 2 else 1.0,
+                frequency_penalty=0.5 if kind == 3 else 0.0,
+                logprobs=2 if kind in (0, 3) else None,
+                max_tokens=rng.randint(1, 40),
+                stop_token_ids=[stop_tokens[i]] if stop_tokens and i in stop_tokens else [],
+                ignore_eos=True,
+            )
+        )
+    return params
+
+
+def _run(tiny_llama_dir, prompts, params, async_scheduling: bool, **engine_args):
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", dtype="float32", async_scheduling=async_scheduling,
+        **engine_args,
+    )  # fmt: skip
+    runner = llm.engine.core.runner
+    pending = []  # rows per step whose input token came from the device
+    fill = runner.fill_pending
+    runner.fill_pending = lambda ids, inputs: (
+        pending.append(len(inputs.pending_rows)),
+        fill(ids, inputs),
+    )
+    outputs = [
+        o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
+    check_clean(llm)
+    return llm, outputs, sum(pending)
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(num_kv_blocks=512),
+        dict(num_kv_blocks=17, max_model_len=256, max_num_batched_tokens=16),  # preemption
+    ],
+    ids=["batched", "preempt+chunked16"],
+)
+def test_overlapped_steps_match_one_step_at_a_time(tiny_llama_dir, engine_args):
+    """Scheduling step N+1 before step N's tokens are back changes no token, logprob or finish
+    reason, under penalties, seeds, stop tokens, preemption and chunked prefill."""
+    prompts = random_prompts(24, seed=3)
+    _, free, _ = _run(tiny_llama_dir, prompts, _mixed_params(24), False, **engine_args)
+    stops = {i: o.token_ids[2] for i, o in enumerate(free) if i % 3 == 0 and len(o.token_ids) > 4}
+    params = _mixed_params(24, stops)
+    sync_llm, sync, sync_pending = _run(tiny_llama_dir, prompts, params, False, **engine_args)
+    async_llm, overlapped, async_pending = _run(
+        tiny_llama_dir, prompts, params, True, **engine_args
+    )
+    assert sync_pending == 0 and async_pending > 0  # the overlap really fed device tokens
+    assert sum(o.finish_reason == "stop" for o in sync) >= 3
+    for a, b in zip(sync, overlapped, strict=True):
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (
+            b.token_ids, b.finish_reason, b.stop_reason,
+        )  # fmt: skip
+        if a.logprobs is not None:  # equal up to fp32 rounding: the batches differ
+            for ea, eb in zip(a.logprobs, b.logprobs, strict=True):
+                assert {t: lp.rank for t, lp in ea.items()} == {t: lp.rank for t, lp in eb.items()}
+                for t, lp in ea.items():
+                    assert lp.logprob == pytest.approx(eb[t].logprob, abs=1e-5)
+    if engine_args["num_kv_blocks"] == 17:
+        assert async_llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_overlapped_abort_and_id_reuse_leave_nothing_behind(tiny_llama_dir, reference):
+    """Aborting requests with a step in flight, and reusing a finished request's id while its
+    last token is still in flight, lose no block and mix no tokens."""
+    prompts, params, expected = reference
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+    engine = llm.engine
+    # r0 (greedy) ends on a stop token, so the step after its last is already in flight
+    greedy = expected[1]
+    stop_at = next(i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i])
+    stop_params = SamplingParams(
+        temperature=0.0, max_tokens=len(greedy), stop_token_ids=[greedy[stop_at]]
+    )
+    engine.add_request("r0", {"prompt_token_ids": prompts[1]}, stop_params)
+    for i in range(3, 8):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params[i])
+    engine.add_request("r1", {"prompt_token_ids": prompts[9]}, params[9])
+    engine.add_request("r2", {"prompt_token_ids": prompts[10]}, params[10])
+    finished: dict[str, list[int]] = {}
+    reused_in_flight = False
+    for step in range(200):
+        if step == 3:
+            engine.abort_request("r1")
+            engine.abort_request("r2")
+        for out in engine.step():
+            if not out.finished:
+                continue
+            finished[out.request_id] = out.outputs[0].token_ids
+            if out.request_id == "r0" and "first r0" not in finished:
+                finished["first r0"] = out.outputs[0].token_ids
+                in_flight = engine.core._in_flight
+                reused_in_flight = in_flight is not None and "r0#0" in in_flight[1].sample_ids
+                engine.add_request("r0", {"prompt_token_ids": prompts[8]}, params[8])
+        if not engine.has_unfinished_requests:
+            break
+    assert reused_in_flight
+    assert finished["first r0"] == greedy[: stop_at + 1]
+    assert finished["r0"] == expected[8]
+    assert "r1" not in finished and "r2" not in finished
+    for i in range(3, 8):
+        assert finished[f"r{i}"] == expected[i]
+    check_clean(llm)

@@ -1,6 +1,13 @@
-"""The engine core: owns the device, the scheduler and the runner; one step at a time.
+"""The engine core: owns the device, the scheduler and the runner.
 
-step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update()
+step() with overlapped scheduling (the default), step N in flight on the device:
+
+    schedule N+1 -> launch N+1 (queued behind N) -> collect N (waits for N's token ids only)
+    -> update N (stop checks, outputs) -> sample N+1 (queued) -> return N's outputs
+
+so the host schedules and prepares step N+1, and turns step N's tokens into outputs, while the
+device runs. Without it (`async_scheduling=False`): schedule -> launch -> sample -> collect ->
+update, one step at a time.
 """
 
 from __future__ import annotations
@@ -15,9 +22,9 @@ from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
 from lantau.model.loader import ModelSource, build_model
 from lantau.request import FinishReason, Request, SamplingParams
-from lantau.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
+from lantau.runner.model_runner import LaunchedStep, ModelRunner, kv_cache_bytes_per_block
 from lantau.sampling.sampler import SamplingRow
-from lantau.scheduler.output import EngineCoreOutput
+from lantau.scheduler.output import EngineCoreOutput, SchedulerOutput
 from lantau.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -123,6 +130,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.num_generated_tokens = 0  # since start, for stats
         self.runner = ModelRunner(self.config, model, num_blocks, self.device)
+        self.async_scheduling = config.async_scheduling
+        # the step on the device whose tokens have not been collected yet
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._collected_early: list[EngineCoreOutput] = []  # see add_request
         if self.device.type == "cuda" and not config.enforce_eager:
             if config.attention_backend != "triton":
                 raise ValueError("CUDA graphs need attention_backend='triton' (or enforce_eager)")
@@ -140,6 +151,11 @@ class EngineCore:
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         request.max_model_len = self.config.scheduler.max_model_len
+        if self._in_flight is not None and request.request_id in self._in_flight[1].sample_ids:
+            # NOTE: a finished request of the same id still has a token in flight; collect
+            # it now, or it would land on the new one
+            self._collected_early += self._update(*self._in_flight)
+            self._in_flight = None
         self.scheduler.add_request(request)
 
     def abort_requests(
@@ -147,13 +163,34 @@ class EngineCore:
     ) -> None:
         self.scheduler.finish_requests(request_ids, reason)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix not in use; returns the number of blocks forgotten."""
+        return self.kv_cache.pool.reset_prefix_cache()
+
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return (
+            self.scheduler.has_unfinished
+            or self._in_flight is not None
+            or bool(self._collected_early)
+        )
 
     def step(self) -> list[EngineCoreOutput]:
+        """Advance by one step; returns the outputs of the step that completed (with
+        overlapped scheduling, the one launched by the previous call)."""
         out = self.scheduler.schedule()
-        result = self.runner.execute(out)
-        outputs = self.scheduler.update(out, result)
-        self.num_generated_tokens += len(result.sampled_token_ids)
+        step = self.runner.launch(out)
+        if not self.async_scheduling:
+            self.runner.sample(step)
+            return self._update(out, step)
+        outputs, self._collected_early = self._collected_early, []
+        if self._in_flight is not None:
+            outputs += self._update(*self._in_flight)
+        self.runner.sample(step)
+        self._in_flight = (out, step) if step.sample_ids else None
         return outputs
+
+    def _update(self, out: SchedulerOutput, step: LaunchedStep) -> list[EngineCoreOutput]:
+        result = self.runner.collect(step)
+        self.num_generated_tokens += len(result.sampled_token_ids)
+        return self.scheduler.update(out, result)

@@ -82,6 +82,20 @@ class BlockPool:
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         self.hash_to_block_id.setdefault(block_hash, block.block_id)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the hashes of all free blocks (blocks in use keep theirs); returns how
+        many were forgotten. For benchmarks that must start cold, and after a weight swap."""
+        dropped = 0
+        for block_id in self.free_block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            if self.hash_to_block_id.get(block.block_hash) == block_id:
+                del self.hash_to_block_id[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+            dropped += 1
+        return dropped
+
     def check_integrity(self) -> None:
         free = set(self.free_block_ids)
         assert len(free) == len(self.free_block_ids)

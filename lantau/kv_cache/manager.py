@@ -100,7 +100,9 @@ class KVCacheManager:
     def _publish_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_prefix_caching:
             return
-        num_full = num_tokens // self.block_size
+        # NOTE: a block whose last token is still pending (overlapped steps) is published by
+        # a later call, once the token is known
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self.req_to_num_hashed[request.request_id]
         if num_full <= start:
             return

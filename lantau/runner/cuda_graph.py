@@ -88,15 +88,20 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for batch sizes %s", self.batch_sizes)
 
-    def run(self, inputs) -> torch.Tensor:
-        """Logits [bucket, vocab]; the first inputs.num_reqs rows are real."""
+    def run(self, inputs, fill_pending) -> torch.Tensor:
+        """Logits [bucket, vocab]; the first inputs.num_reqs rows are real.
+
+        `fill_pending(input_ids, inputs)` writes the input tokens still on the device.
+        """
         n = inputs.num_reqs
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
 
         def put(dst: torch.Tensor, src: np.ndarray) -> None:
-            dst.copy_(torch.from_numpy(src), non_blocking=True)
+            # NOTE: through pinned memory: a pageable copy would wait for the queued steps
+            dst.copy_(torch.from_numpy(src).pin_memory(), non_blocking=True)
 
         put(self.input_ids[:n], inputs.input_ids)
+        fill_pending(self.input_ids, inputs)
         put(self.positions[:n], inputs.positions)
         put(self.slot_mapping[:n], inputs.slot_mapping)
         put(self.seq_lens[:n], inputs.seq_lens)

@@ -3,11 +3,18 @@
 The only place (with model/ and sampling/) where tensors live. It keeps its own copy of each
 running request's tokens and block table, updated from the scheduler's diffs. Decode-only steps
 replay a CUDA graph captured for the next bucket size up (cuda_graph.py).
+
+A step is three calls, so the engine can overlap the host with the device:
+    launch(out)    queue the forward pass (no wait); a request's input token that the previous
+                   step sampled and the host has not seen yet is read from the device
+    sample(step)   queue the sampling, with the rows' histories as of now
+    collect(step)  wait for this step's token ids alone and append them
+`execute(out)` does all three.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,7 +23,13 @@ from lantau.config import EngineConfig
 from lantau.model.llama import LlamaForCausalLM
 from lantau.request import SamplingParams
 from lantau.runner.attention import AttentionMetadata, ForwardContext
-from lantau.sampling.sampler import Sampler, SamplingRow, uses_penalties
+from lantau.sampling.sampler import (
+    PendingSample,
+    Sampler,
+    SamplingRow,
+    to_device,
+    uses_penalties,
+)
 from lantau.scheduler.output import RunnerOutput, SchedulerOutput
 
 
@@ -40,6 +53,10 @@ class StepInputs:
     block_tables: np.ndarray  # [num_reqs, max_blocks] int32, padded with 0
     sample_ids: list[str]  # requests that sample this step, in row order
     logits_indices: np.ndarray  # [num_sample] int64: their last token's row
+    # input rows whose token the previous step sampled and the host has not seen yet, and
+    # that token's row in the previous step's sampled ids
+    pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def num_reqs(self) -> int:
@@ -48,6 +65,15 @@ class StepInputs:
     @property
     def max_query_len(self) -> int:
         return int(np.diff(self.query_start_loc).max())
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its sampling rows and their logits."""
+
+    sample_ids: list[str] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [num_sample, vocab_size]
+    sampled: PendingSample | None = None  # once sample() has queued it
 
 
 def kv_cache_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
@@ -71,6 +97,9 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed, device=device)
         # the last sampling step's rows and raw logits, kept by reference for parity checks
         self._last_sampled: tuple[list[str], torch.Tensor | None] = ([], None)
+        # the last queued sampling: request id -> row, and the token ids on the device
+        self._prev_rows: dict[str, int] = {}
+        self._prev_token_ids: torch.Tensor | None = None
         self.graphs = None  # CudaGraphRunner, once captured
 
     @property
@@ -112,32 +141,51 @@ class ModelRunner:
         max_blocks = max(len(self.states[r].block_ids) for r, _ in scheduled)
         block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         sample_ids, logits_indices = [], []
+        pending_rows, pending_src = [], []
         row = 0
         for i, (request_id, start) in enumerate(scheduled):
             state = self.states[request_id]
             n = out.num_scheduled_tokens[request_id]
             end = start + n
-            input_ids[row : row + n] = state.token_ids[start:end]
+            known = len(state.token_ids)
+            if end > known:  # its last token was sampled by the step still in flight
+                assert end == known + 1 and request_id in self._prev_rows, request_id
+                pending_rows.append(row + n - 1)
+                pending_src.append(self._prev_rows[request_id])
+                input_ids[row : row + n - 1] = state.token_ids[start:known]
+            else:
+                input_ids[row : row + n] = state.token_ids[start:end]
             positions[row : row + n] = np.arange(start, end)
             block_tables[i, : len(state.block_ids)] = state.block_ids
             row += n
             query_start_loc[i + 1] = row
             seq_lens[i] = end
-            if end == len(state.token_ids):  # the last known token: its logits pick the next
+            if end >= known:  # the last token, known or not: its logits pick the next
                 sample_ids.append(request_id)
                 logits_indices.append(row - 1)
         # slot of each token: its block (looked up per request row) * block_size + offset
         req_of_token = np.repeat(np.arange(len(scheduled)), np.diff(query_start_loc))
         block_ids = block_tables[req_of_token, positions // self.block_size].astype(np.int64)
         slot_mapping = block_ids * self.block_size + positions % self.block_size
+        if pending_rows:
+            input_ids[pending_rows] = 0  # overwritten on the device
         return StepInputs(
             input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
             sample_ids, np.asarray(logits_indices, dtype=np.int64),
+            np.asarray(pending_rows, dtype=np.int64), np.asarray(pending_src, dtype=np.int64),
         )  # fmt: skip
+
+    def fill_pending(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+        """Write the tokens the previous step sampled into this step's device input ids."""
+        if not len(inputs.pending_rows):
+            return
+        rows = to_device(torch.from_numpy(inputs.pending_rows), torch.int64, self.device)
+        src = to_device(torch.from_numpy(inputs.pending_src), torch.int64, self.device)
+        input_ids.index_copy_(0, rows, self._prev_token_ids[src])
 
     def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, ForwardContext]:
         def tensor(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
+            return to_device(torch.from_numpy(a), a.dtype, self.device)
 
         meta = AttentionMetadata(
             slot_mapping=tensor(inputs.slot_mapping),
@@ -150,29 +198,46 @@ class ModelRunner:
             seq_lens_cpu=inputs.seq_lens.tolist(),
         )
         ctx = ForwardContext(meta, self.kv_caches, tensor(inputs.positions))
-        return tensor(inputs.input_ids), ctx
+        input_ids = tensor(inputs.input_ids)
+        self.fill_pending(input_ids, inputs)
+        return input_ids, ctx
 
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
         """Logits of the sampling rows: [num_sample, vocab_size]."""
         if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs)[: len(inputs.sample_ids)]
+            return self.graphs.run(inputs, self.fill_pending)[: len(inputs.sample_ids)]
         input_ids, ctx = self._to_device(inputs)
         hidden = self.model(input_ids, ctx)
-        indices = torch.from_numpy(inputs.logits_indices).to(self.device, non_blocking=True)
+        indices = to_device(torch.from_numpy(inputs.logits_indices), torch.int64, self.device)
         return self.model.compute_logits(hidden[indices])
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """One whole step: launch, sample, collect."""
+        step = self.launch(out)
+        self.sample(step)
+        return self.collect(step)
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Queue the step's forward pass; returns without waiting for the device."""
         self._update_states(out)
         if out.is_empty:
-            return RunnerOutput()
+            return LaunchedStep()
         inputs = self._prepare_inputs(out)
         logits = self._forward_logits(inputs)
         if not inputs.sample_ids:
-            return RunnerOutput()
-        self._last_sampled = (inputs.sample_ids, logits)
+            return LaunchedStep()
+        return LaunchedStep(inputs.sample_ids, logits)
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep) -> None:
+        """Queue the step's sampling. Call it after collecting the previous step, so that
+        penalties see every earlier token."""
+        if not step.sample_ids:
+            return
+        self._last_sampled = (step.sample_ids, step.logits)
         rows = []
-        for request_id in inputs.sample_ids:
+        for request_id in step.sample_ids:
             state = self.states[request_id]
             # NOTE: token history only feeds penalties; copying it per row per step would
             # cost O(context) host time for every request
@@ -186,12 +251,24 @@ class ModelRunner:
                     output_token_ids=state.token_ids[n:] if history else [],
                 )
             )
-        sampled = self.sampler(logits, rows)
+        step.sampled = self.sampler.sample(step.logits, rows)
+        self._prev_rows = {request_id: i for i, request_id in enumerate(step.sample_ids)}
+        self._prev_token_ids = step.sampled.token_ids
+
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for the step's token ids and append them to the requests' histories."""
         result = RunnerOutput()
+        if step.sampled is None:
+            return result
+        sampled = step.sampled.resolve()
         for request_id, token_id, logprobs in zip(
-            inputs.sample_ids, sampled.token_ids, sampled.logprobs, strict=True
+            step.sample_ids, sampled.token_ids, sampled.logprobs, strict=True
         ):
-            self.states[request_id].token_ids.append(token_id)
+            # NOTE: a request preempted since the launch has no state here, but the
+            # scheduler still takes its token; a finished one's is dropped there
+            state = self.states.get(request_id)
+            if state is not None:
+                state.token_ids.append(token_id)
             result.sampled_token_ids[request_id] = token_id
             if logprobs is not None:
                 result.logprobs[request_id] = logprobs

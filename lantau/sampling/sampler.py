@@ -1,8 +1,10 @@
 """Batched token sampling: penalties, greedy, temperature, min-p/top-k/top-p, logprobs.
 
 vLLM's semantics. Every step is vectorized over the rows of one [num_rows, vocab_size] logits
-tensor; per-row parameters travel as small [num_rows] tensors, so the only host sync in the
-hot path is the final copy of the chosen token ids (plus the logprobs, when asked for).
+tensor; per-row parameters travel as small [num_rows] tensors through pinned memory. Nothing
+in `sample()` waits for the device: the chosen token ids (and logprobs, when asked for) are
+copied to pinned host memory behind an event, and `PendingSample.resolve()` waits for that
+event alone, so the next step's forward pass may already be queued behind the sampling.
 
 Sampling uses the exponential race: argmax(probs / q) with q ~ Exponential(1) i.i.d. picks
 token i with probability probs[i]. Each seeded row draws its own q from its own generator, so
@@ -12,7 +14,7 @@ its tokens depend only on that generator and its logits, never on the rest of th
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +24,7 @@ __all__ = [
     "Logprob",
     "Sampler",
     "SamplerOutput",
+    "PendingSample",
     "SamplingRow",
     "apply_min_p",
     "apply_penalties",
@@ -48,6 +51,24 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list or tensor on `device` without a stream sync: CUDA copies go through
+    pinned memory (a pageable copy would wait for all queued work)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor to (pinned) host memory; valid once the stream reaches
+    the copy (PendingSample's event)."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
 def uses_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0
@@ -63,11 +84,13 @@ def _token_counts(
     counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
     if not any(token_lists):
         return counts.view(num_rows, vocab_size)
-    lengths = torch.tensor([len(t) for t in token_lists], device=device)
     # NOTE: one flat host list per step; fine while outputs are short, a persistent device
-    # token buffer would avoid re-uploading the prompts every step.
-    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), device=device)
-    rows = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
+    # token buffer would avoid re-uploading the prompts every step. The row of each token is
+    # built on the host: repeat_interleave on the device would sync to size its output.
+    flat = list(itertools.chain.from_iterable(token_lists))
+    rows_host = list(itertools.chain.from_iterable([i] * len(t) for i, t in enumerate(token_lists)))
+    tokens = to_device(flat, torch.int64, device)
+    rows = to_device(rows_host, torch.int64, device)
     # [total_tokens] flat offsets into the [num_rows * vocab_size] view
     counts.scatter_add_(0, rows * vocab_size + tokens, torch.ones_like(tokens, dtype=counts.dtype))
     return counts.view(num_rows, vocab_size)
@@ -99,9 +122,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         vocab_size,
         device,
     )
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
-    presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
+    f32 = torch.float32
+    rep = to_device([r.params.repetition_penalty for r in rows], f32, device)[:, None]
+    presence = to_device([r.params.presence_penalty for r in rows], f32, device)[:, None]
+    freq = to_device([r.params.frequency_penalty for r in rows], f32, device)[:, None]
 
     seen = (prompt_counts > 0) | (output_counts > 0)  # [num_rows, vocab_size]
     repeated = torch.where(logits > 0, logits / rep, logits * rep)  # [num_rows, vocab_size]
@@ -144,37 +168,72 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def compute_logprobs(
+def logprob_tensors(
     raw_logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor
-) -> list[dict[int, Logprob] | None]:
-    """Logprobs of the chosen tokens and each row's top-n, under the raw (unpenalized) logits.
-
-    raw_logits: [num_rows, vocab_size]; token_ids: [num_rows] int64 on the same device.
+) -> tuple[torch.Tensor, ...] | None:
+    """Device half of the logprobs: for the rows asking for them, (chosen token, its logprob,
+    its rank, top-n logprobs, top-n ids) under the raw (unpenalized) logits. None if no row
+    asks. raw_logits: [num_rows, vocab_size]; token_ids: [num_rows] int64 on the same device.
     """
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    result: list[dict[int, Logprob] | None] = [None] * len(rows)
     if not wanted:
-        return result
+        return None
     vocab_size = raw_logits.shape[-1]
-    idx = torch.tensor(wanted, device=raw_logits.device)
+    idx = to_device(wanted, torch.int64, raw_logits.device)
     logprobs = raw_logits[idx].float().log_softmax(dim=-1)  # [num_wanted, vocab_size]
-    chosen = logprobs.gather(-1, token_ids[idx][:, None])  # [num_wanted, 1]
+    chosen_ids = token_ids[idx]  # [num_wanted]
+    chosen = logprobs.gather(-1, chosen_ids[:, None]).squeeze(-1)  # [num_wanted]
     # rank = 1 + number of strictly more likely tokens
-    chosen_rank = (logprobs > chosen).sum(dim=-1) + 1  # [num_wanted]
+    chosen_rank = (logprobs > chosen[:, None]).sum(dim=-1) + 1  # [num_wanted]
     max_n = min(max(rows[i].params.logprobs for i in wanted), vocab_size)
     top_vals, top_ids = logprobs.topk(max_n, dim=-1)  # [num_wanted, max_n], descending
+    return chosen_ids, chosen, chosen_rank, top_vals, top_ids
 
-    chosen_l, rank_l = chosen.squeeze(-1).tolist(), chosen_rank.tolist()
-    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-    token_l = token_ids[idx].tolist()
+
+def logprob_dicts(
+    tensors: tuple[torch.Tensor, ...] | None, rows: list[SamplingRow]
+) -> list[dict[int, Logprob] | None]:
+    """Host half: logprob_tensors' result (on the host) as one dict per row."""
+    result: list[dict[int, Logprob] | None] = [None] * len(rows)
+    if tensors is None:
+        return result
+    token_l, chosen_l, rank_l, top_vals_l, top_ids_l = (t.tolist() for t in tensors)
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     for j, i in enumerate(wanted):
         entry = {token_l[j]: Logprob(chosen_l[j], rank_l[j])}
-        n = min(rows[i].params.logprobs, vocab_size)
-        for pos in range(n):
+        for pos in range(min(rows[i].params.logprobs, len(top_ids_l[j]))):
             # the chosen token keeps its own entry should it also be among the top-n
             entry.setdefault(top_ids_l[j][pos], Logprob(top_vals_l[j][pos], pos + 1))
         result[i] = entry
     return result
+
+
+def compute_logprobs(
+    raw_logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor
+) -> list[dict[int, Logprob] | None]:
+    """Logprobs of the chosen tokens and each row's top-n, under the raw logits (syncs)."""
+    tensors = logprob_tensors(raw_logits, rows, token_ids)
+    return logprob_dicts(None if tensors is None else [t.cpu() for t in tensors], rows)
+
+
+@dataclass
+class PendingSample:
+    """Tokens chosen on the device, on their way to the host."""
+
+    token_ids: torch.Tensor  # [num_rows] int64 on the device: the next step's inputs read it
+    rows: list[SamplingRow]
+    host_token_ids: torch.Tensor  # host copy, valid once `event` has completed
+    host_logprobs: tuple[torch.Tensor, ...] | None = None
+    event: torch.cuda.Event | None = field(default=None, repr=False)
+
+    def resolve(self) -> SamplerOutput:
+        """Wait for this sample's copies only (not for work queued after it)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return SamplerOutput(
+            token_ids=self.host_token_ids.tolist(),
+            logprobs=logprob_dicts(self.host_logprobs, self.rows),
+        )
 
 
 class Sampler:
@@ -187,6 +246,10 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).resolve()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+        """Queue the sampling of one token per row; nothing here waits for the device."""
         # logits: [num_rows, vocab_size], any float dtype
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per row"
         device = logits.device
@@ -194,32 +257,42 @@ class Sampler:
 
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=device)  # [num_rows]
-        if greedy:
-            g_idx = torch.tensor(greedy, device=device)
+        if not sampled:
+            token_ids = penalized.argmax(dim=-1)  # [num_rows]
+        elif not greedy:
+            token_ids = self._sample(penalized, rows)
+        else:
+            token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
+            g_idx = to_device(greedy, torch.int64, device)
             token_ids[g_idx] = penalized[g_idx].argmax(dim=-1)
-        if sampled:
-            s_idx = torch.tensor(sampled, device=device)
+            s_idx = to_device(sampled, torch.int64, device)
             token_ids[s_idx] = self._sample(penalized[s_idx], [rows[i] for i in sampled])
 
-        return SamplerOutput(
-            token_ids=token_ids.tolist(),  # the one host sync of the hot path
-            logprobs=compute_logprobs(logits, rows, token_ids),
+        logprobs = logprob_tensors(logits, rows, token_ids)
+        pending = PendingSample(
+            token_ids=token_ids,
+            rows=rows,
+            host_token_ids=to_host(token_ids),
+            host_logprobs=None if logprobs is None else tuple(to_host(t) for t in logprobs),
         )
+        if device.type == "cuda":
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        return pending
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, filters, then the exponential race; logits: [num_sampled, vocab_size]."""
         device = logits.device
-        temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+        temperature = to_device([r.params.temperature for r in rows], torch.float32, device)
         logits = logits / temperature[:, None]  # [num_sampled, vocab_size]
 
         # Each filter is skipped when no row uses it: the sort in top-k/top-p is the costly one.
         if any(r.params.min_p > 0.0 for r in rows):
-            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+            min_p = to_device([r.params.min_p for r in rows], torch.float32, device)
             logits = apply_min_p(logits, min_p)
         if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
-            top_k = torch.tensor([r.params.top_k for r in rows], device=device)
-            top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+            top_k = to_device([r.params.top_k for r in rows], torch.int64, device)
+            top_p = to_device([r.params.top_p for r in rows], torch.float32, device)
             logits = apply_top_k_top_p(logits, top_k, top_p)
 
         probs = logits.softmax(dim=-1)  # [num_sampled, vocab_size]
@@ -241,6 +314,6 @@ class Sampler:
         if unseeded:
             shared = torch.empty(len(unseeded), vocab_size, device=device)
             shared.exponential_(generator=self.generator)
-            q[torch.tensor(unseeded, device=device)] = shared
+            q[to_device(unseeded, torch.int64, device)] = shared
         # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)

@@ -5,6 +5,10 @@ a whole prompt, a chunk of it, or the one token sampled last step. Prefix-cache 
 computed. Running requests go first, highest priority first; when blocks run out the lowest
 priority (then newest) running request is preempted and later recomputed. Waiting requests are
 admitted FCFS within a priority while the token budget and `max_num_seqs` allow.
+
+Steps may overlap: the engine schedules step N+1 while step N runs, so a request whose token
+from step N is still pending is scheduled one token ahead (`Request.num_pending_tokens`). A
+request that step N finishes wastes that one row; nothing else changes.
 """
 
 from __future__ import annotations
@@ -95,9 +99,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._done_once_pending_arrive(request):
+                i += 1
+                continue
+            num_tokens = request.num_tokens + request.num_pending_tokens
+            num_new = min(num_tokens - request.num_computed_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new < (
-                request.num_tokens - request.num_computed_tokens
+                num_tokens - request.num_computed_tokens
             ):
                 break
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
@@ -119,6 +127,18 @@ class Scheduler:
             i += 1
         return budget
 
+    @staticmethod
+    def _done_once_pending_arrive(request: Request) -> bool:
+        """A request whose pending tokens reach max_tokens or max_model_len has nothing left
+        to compute (it finishes when they arrive)."""
+        if not request.num_pending_tokens:
+            return False
+        num_output = request.num_output_tokens + request.num_pending_tokens
+        num_tokens = request.num_tokens + request.num_pending_tokens
+        return (
+            num_output >= request.sampling_params.max_tokens or num_tokens >= request.max_model_len
+        )
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -131,7 +151,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
-            if request is None:
+            if request is None or request.num_pending_tokens:
+                # NOTE: a request preempted while a token of it was in flight waits for it
                 return
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
@@ -166,14 +187,21 @@ class Scheduler:
         # this step, and the next schedule may be built before this step's results return.
         out.num_scheduled_tokens[request.request_id] = num_new
         request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+            request.num_pending_tokens += 1  # this step samples its next token
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens; finish requests on stop tokens or length."""
+        """Append sampled tokens; finish requests on stop tokens or length.
+
+        A request preempted after this step was scheduled still takes its token (it resumes
+        from all of its tokens); a finished or aborted one does not.
+        """
         outputs = []
         for request_id, token_id in result.sampled_token_ids.items():
             request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if request is None:
+                continue  # finished or aborted while the step ran
+            request.num_pending_tokens -= 1
             request.append_output_token(token_id)
             reason = request.check_stop_token()
             logprobs = result.logprobs.get(request_id)
@@ -194,6 +222,7 @@ class Scheduler:
         self.kv_cache.check_integrity()
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
-            assert 0 < request.num_computed_tokens <= request.num_tokens
+            assert request.num_computed_tokens > 0
+            assert request.num_computed_tokens <= request.num_tokens + request.num_pending_tokens
         held = set(self.kv_cache.req_to_blocks)
         assert held == {r.request_id for r in self.running}, "blocks held outside running"
