@@ -234,10 +234,12 @@ def workloads(llm, specs, modes) -> None:
             core.async_scheduling = overlap
             core.reset_prefix_cache()
             before = _num_segments(torch.device("cuda"))
+            preempted = core.scheduler.num_preemptions
             undo = timeline(core)
             stats = run_lantau(llm, w).summary()
             stats["timeline"] = undo()
             stats["new_segments"] = _num_segments(torch.device("cuda")) - before
+            stats["preemptions"] = core.scheduler.num_preemptions - preempted
             key = f"{spec}-{'async' if overlap else 'sync'}"
             RESULTS[key] = stats
             print(key, json.dumps(stats), flush=True)
@@ -252,7 +254,8 @@ def workloads(llm, specs, modes) -> None:
                     f"{key} x{w.num_prompts}",
                     fig,
                     f"gpu {stats['gpu_util_pct']}%, p95 e2e {stats['e2e_p95_s']}s, "
-                    f"+seg {stats['new_segments']}; mixed {tl['mixed_steps']} steps "
+                    f"+seg {stats['new_segments']}, preempted {stats['preemptions']}; "
+                    f"mixed {tl['mixed_steps']} steps "
                     f"{tl['mixed_s']}s ({tl['prefill_tflop_s_8b']} TFLOP/s), decode "
                     f"{tl['decode_steps']} x {tl['decode_mean_ms']} ms @ {tl['decode_mean_batch']}",
                 )
@@ -282,6 +285,14 @@ def main() -> None:
         max_num_batched_tokens=8192,
     )
     RESULTS["engine_start_s"] = round(time.perf_counter() - t, 1)
+    RESULTS["kv_blocks"] = llm.config.cache.num_blocks
+    TABLE.append(
+        (
+            "engine",
+            f"up in {RESULTS['engine_start_s']} s",
+            f"{llm.config.cache.num_blocks} KV blocks of 16",
+        )
+    )
     model = llm.engine.core.runner.model
     names = args.workloads.split(",")
     counts = (

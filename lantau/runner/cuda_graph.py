@@ -21,6 +21,9 @@ from lantau.runner.attention import AttentionMetadata, ForwardContext
 logger = logging.getLogger(__name__)
 
 
+MAX_GRAPH_BS = 512  # larger decode batches run eagerly (launch cost is small next to them)
+
+
 def graph_batch_sizes(max_bs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4) if s <= max_bs] + list(range(8, max_bs + 1, 8))
     if sizes[-1] != max_bs:
@@ -39,7 +42,7 @@ class CudaGraphRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.max_seq_len = config.scheduler.max_model_len
-        self.batch_sizes = graph_batch_sizes(min(config.scheduler.max_num_seqs, 256))
+        self.batch_sizes = graph_batch_sizes(min(config.scheduler.max_num_seqs, MAX_GRAPH_BS))
         self.max_bs = self.batch_sizes[-1]
         max_blocks = cdiv(self.max_seq_len, config.cache.block_size)
         n = self.max_bs
