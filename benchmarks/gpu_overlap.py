@@ -233,10 +233,15 @@ def workloads(llm, specs, modes) -> None:
         for overlap in [only == "async"] if only else modes:
             core.async_scheduling = overlap
             core.reset_prefix_cache()
-            before = _num_segments(torch.device("cuda"))
-            preempted = core.scheduler.num_preemptions
-            undo = timeline(core)
-            stats = run_lantau(llm, w).summary()
+            marks = {}
+
+            def on_start(marks=marks):
+                marks["segments"] = _num_segments(torch.device("cuda"))
+                marks["preempted"] = core.scheduler.num_preemptions
+                marks["undo"] = timeline(core)
+
+            stats = run_lantau(llm, w, on_start).summary()
+            before, preempted, undo = marks["segments"], marks["preempted"], marks["undo"]
             stats["timeline"] = undo()
             stats["new_segments"] = _num_segments(torch.device("cuda")) - before
             stats["preemptions"] = core.scheduler.num_preemptions - preempted

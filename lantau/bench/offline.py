@@ -128,8 +128,11 @@ def _time_cuda(fn, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
-def run_lantau(llm, workload: Workload) -> RunStats:
-    """All requests at once; per-request TTFT and end-to-end from the run's start."""
+def run_lantau(llm, workload: Workload, on_start=None) -> RunStats:
+    """All requests at once; per-request TTFT and end-to-end from the run's start.
+
+    A warm-up on the workload's own first prompts (as many as run at once) comes first, then
+    the prefix cache is reset; `on_start()` is called right before the timed run."""
     engine = llm.engine
     params = SamplingParams(
         temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True, detokenize=False
@@ -137,8 +140,11 @@ def run_lantau(llm, workload: Workload) -> RunStats:
     # warm-up on the workload's own shapes (kernel specializations, allocator), then a cold
     # prefix cache for the timed run
     warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
-    llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:64]], warm)
+    num_warm = llm.config.scheduler.max_num_seqs
+    llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:num_warm]], warm)
     llm.reset_prefix_cache()
+    if on_start is not None:
+        on_start()
     ttft: dict[str, float] = {}
     e2e: dict[str, float] = {}
     num_tokens = 0

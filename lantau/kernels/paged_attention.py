@@ -396,12 +396,14 @@ def unified_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    tile: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Causal attention of each request's query rows over its cached context, into out.
 
     One launch for a batch mixing prefills, chunked prefills and decodes. Rows of out past
     query_start_loc[-1] (padding) are not written. query_start_loc[0] must be 0.
     max_query_len / max_seq_len may be upper bounds: they only choose the tile shape.
+    `tile` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default (for tuning).
     """
     # q, out: [num_tokens, num_heads, head_dim]
     # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -421,7 +423,13 @@ def unified_attention(
         return
     block_size, num_kv_heads = kv_cache.shape[2:4]
     group = num_heads // num_kv_heads
-    block_m = _unified_block_m(max_query_len, group)
+    block_m, block_n, num_warps, num_stages = tile or (
+        _unified_block_m(max_query_len, group),
+        _BLOCK_N,
+        4,
+        2,
+    )
+    assert block_m % group == 0, f"BLOCK_M {block_m} is not a multiple of the group {group}"
     block_q = block_m // group
     # request i's tiles start at query_start_loc[i] // block_q + i (see _find_request), so this
     # many tiles cover every request without reading query_start_loc on the host
@@ -446,10 +454,10 @@ def unified_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
