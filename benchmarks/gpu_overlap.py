@@ -274,6 +274,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", default="", help="comma-separated, per workload")
     parser.add_argument("--modes", default="async,sync")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--skip", default="")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
@@ -287,7 +288,7 @@ def main() -> None:
         "random:llama3-8b",
         max_model_len=4096,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     RESULTS["engine_start_s"] = round(time.perf_counter() - t, 1)
     RESULTS["kv_blocks"] = llm.config.cache.num_blocks
@@ -295,7 +296,9 @@ def main() -> None:
         (
             "engine",
             f"up in {RESULTS['engine_start_s']} s",
-            f"{llm.config.cache.num_blocks} KV blocks of 16",
+            f"{llm.config.cache.num_blocks} KV blocks of 16, max_num_seqs "
+            f"{llm.config.scheduler.max_num_seqs}, max_num_batched_tokens "
+            f"{llm.config.scheduler.max_num_batched_tokens}",
         )
     )
     model = llm.engine.core.runner.model

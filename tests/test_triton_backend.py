@@ -29,3 +29,36 @@ def test_triton_backend_matches_torch(tiny_llama_dir):
     assert any(o.num_cached_tokens > 0 for o in results["triton"][2])
     for key, ref in results["torch"][1].items():
         assert (results["triton"][1][key] - ref).abs().max().item() < 1e-4
+
+
+def test_triton_backend_small_batches_take_the_gemv_kernel(tiny_llama_dir, monkeypatch):
+    """Batch-1 steps run every projection through the GEMV kernel, with the torch
+    backend's tokens and logits."""
+    from lantau.kernels import gemv
+
+    calls = []
+    original = gemv.gemv
+    monkeypatch.setattr(
+        gemv, "gemv", lambda x, *a, **k: (calls.append(x.shape[0]), original(x, *a, **k))[1]
+    )
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (9, 23, 4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+            attention_backend=backend,
+        )  # fmt: skip
+        tokens, logits = [], []
+        for n in (1, 3):  # one request alone, then three together
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params)
+            tokens.append([o.outputs[0].token_ids for o in outs])
+            logits.append(dict(llm.engine.core.runner.last_logits))
+        results[backend] = (tokens, logits)
+    assert calls and set(calls) == {1}  # batch 1 only (ops.gemv_max_m)
+    assert results["triton"][0] == results["torch"][0]
+    for ref_step, out_step in zip(results["torch"][1], results["triton"][1], strict=True):
+        for key, ref in ref_step.items():
+            err = ((out_step[key] - ref).norm() / ref.norm()).item()
+            assert err < 1e-5, (key, err)

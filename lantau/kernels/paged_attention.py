@@ -429,7 +429,7 @@ def unified_attention(
         4,
         2,
     )
-    assert block_m % group == 0, f"BLOCK_M {block_m} is not a multiple of the group {group}"
+    assert block_m >= group, f"BLOCK_M {block_m} holds less than one group of {group} heads"
     block_q = block_m // group
     # request i's tiles start at query_start_loc[i] // block_q + i (see _find_request), so this
     # many tiles cover every request without reading query_start_loc on the host

@@ -62,7 +62,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
         # x: [num_tokens, hidden_size]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.linear(x, self.qkv_proj)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # strided views into the qkv output
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -70,7 +71,7 @@ class LlamaAttention(nn.Module):
         kv_cache = ctx.kv_caches[self.layer_idx]
         ops.write_kv_cache(k, v, kv_cache, ctx.attn.slot_mapping)
         out = ops.attention(q, kv_cache, ctx.attn, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))  # [num_tokens, hidden_size]
+        return ops.linear(out.reshape(-1, self.q_size), self.o_proj)  # [num_tokens, hidden]
 
 
 class LlamaMLP(nn.Module):
@@ -80,7 +81,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -152,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [num_rows, vocab_size]
+        return self.ops.linear(hidden, self.lm_head)  # [num_rows, vocab_size]
 
     def _shard_slice(self, fused: str, shard: int) -> slice:
         c = self.config

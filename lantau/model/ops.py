@@ -22,6 +22,10 @@ class TorchOps:
     name = "torch"
 
     @staticmethod
+    def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -60,15 +64,33 @@ class TorchOps:
 
 
 class TritonOps:
-    """Fused Triton kernels; decode-only steps take the split-context decode kernel."""
+    """Fused Triton kernels; decode-only steps take the split-context decode kernel, and
+    batch-1 projections the GEMV kernel (when `use_gemv`)."""
 
     name = "triton"
 
     def __init__(self) -> None:
-        from lantau.kernels import activation, kv_cache_write, paged_attention, rms_norm, rotary
+        from lantau.kernels import (
+            activation,
+            gemv,
+            kv_cache_write,
+            paged_attention,
+            rms_norm,
+            rotary,
+        )
 
-        self._act, self._kv = activation, kv_cache_write
+        self._act, self._kv, self._gemv = activation, kv_cache_write, gemv
         self._attn, self._norm, self._rope = paged_attention, rms_norm, rotary
+        self.use_gemv = True
+        self.gemv_max_m = 1  # see lantau/kernels/gemv.py: faster than cuBLAS at 1 row only
+        # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
+        self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+    def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+        if self.use_gemv and x.shape[0] <= self.gemv_max_m:
+            config = self.gemv_configs.get(tuple(layer.weight.shape))
+            return self._gemv.gemv(x, layer.weight, layer.bias, config)
+        return F.linear(x, layer.weight, layer.bias)
 
     def rms_norm(self, x, weight, eps) -> torch.Tensor:
         return self._norm.rms_norm(x, weight, eps)

@@ -1,0 +1,188 @@
+"""The decode GEMV kernel on the lent GPU, then W2 with it and without it in one run.
+
+1. Each llama3-8b projection at M = 1, 2, 4 (32 weight copies, one per layer, rotated through
+   a CUDA graph so L2 holds none of them): cuBLAS (F.linear) against GEMV tile configurations,
+   each checked against an fp32 reference; the best per shape is kept.
+2. An engine (random:llama3-8b, bf16) with those tiles: the batch-1 decode graph at 384 keys and
+   W2, with the GEMV kernel, then with cuBLAS (graphs recaptured), same engine, same run.
+3. Optionally W3-1000 (--w3 N prompts) on the same engine (max_num_seqs from --max-num-seqs).
+
+    PYTHONPATH=. python3 benchmarks/gpu_gemv.py [--sweep] [--w3 1000] [--max-num-seqs 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from lantau.kernels.gemv import default_config, gemv, gemv_ref
+
+SHAPES = {  # name -> (N, K, copies)
+    "qkv": (6144, 4096, 32),
+    "o": (4096, 4096, 32),
+    "gate_up": (28672, 4096, 32),
+    "down": (4096, 14336, 32),
+    "lm_head": (128256, 4096, 1),
+}
+CONFIGS = list(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (3, 4)))
+SWEEP = False  # --sweep: all CONFIGS at M = 1, 2, 4; otherwise default_config at M = 1
+TABLE: list[str] = []
+RESULTS: dict = {}
+
+
+def graph_ms(fn, iters: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def replay_ms(graph, iters: int = 50) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def sweep() -> dict[tuple[int, int], tuple]:
+    best_configs = {}
+    for name, (n, k, copies) in SHAPES.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        nbytes = sum(w.numel() * 2 for w in ws)
+        row = {}
+        for m in (1, 2, 4) if SWEEP else (1,):
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in ws]
+            ref = gemv_ref(xs[0], ws[0])
+
+            def cublas(xs=xs, ws=ws):
+                for w, x in zip(ws, xs, strict=True):
+                    F.linear(x, w)
+
+            base = graph_ms(cublas)
+            if not SWEEP:
+                cands = [default_config(n, k)]
+            else:
+                cands = CONFIGS if m == 1 else [best_configs[(n, k)]]
+            timed = {}
+            for cfg in cands:
+                try:
+                    out = gemv(xs[0], ws[0], config=cfg)
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    if not err < 1e-2:
+                        timed[cfg] = (float("inf"), err)
+                        continue
+
+                    def run(xs=xs, ws=ws, cfg=cfg):
+                        for w, x in zip(ws, xs, strict=True):
+                            gemv(x, w, config=cfg)
+
+                    timed[cfg] = (graph_ms(run), err)
+                except Exception as e:  # a config that fails to compile is skipped
+                    print(name, m, cfg, type(e).__name__, str(e)[:80], flush=True)
+            cfg = min(timed, key=lambda c: timed[c][0])
+            if m == 1:
+                best_configs[(n, k)] = cfg
+            ms, err = timed[cfg]
+            row[m] = {
+                "cublas_ms": round(base, 4),
+                "cublas_tb_s": round(nbytes / base / 1e9, 3),
+                "gemv_ms": round(ms, 4),
+                "gemv_tb_s": round(nbytes / ms / 1e9, 3),
+                "config": cfg,
+                "rel_err": float(f"{err:.2e}"),
+            }
+            TABLE.append(
+                f"| {name} M={m} | cuBLAS {row[m]['cublas_tb_s']} TB/s | GEMV {cfg} "
+                f"{row[m]['gemv_tb_s']} TB/s, err {row[m]['rel_err']} |"
+            )
+            print(TABLE[-1], flush=True)
+        RESULTS[name] = row
+        del ws
+        torch.cuda.empty_cache()
+    return best_configs
+
+
+def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
+    from lantau import LLM
+    from lantau.bench.offline import run_lantau
+    from lantau.bench.workloads import make_workload
+
+    llm = LLM(
+        "random:llama3-8b", max_model_len=4096, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=8192,
+    )  # fmt: skip
+    core = llm.engine.core
+    ops = core.runner.model.ops
+    if SWEEP:
+        ops.gemv_configs.update(best_configs)
+    w2 = make_workload("W2", 128256)
+    for use in (True, False, True):
+        ops.use_gemv = use
+        core.runner.capture_cuda_graphs()
+        graphs = core.runner.graphs
+        graphs.seq_lens[:1].fill_(384)
+        graphs.block_tables[:1, :24] = torch.arange(24, device="cuda", dtype=torch.int32)
+        graphs.slot_mapping[:1].fill_(-1)
+        graph_1 = replay_ms(graphs.graphs[1][0])
+        stats = run_lantau(llm, w2).summary()
+        key = f"W2-{'gemv' if use else 'cublas'}"
+        RESULTS.setdefault(key, []).append({"graph_bs1_seq384_ms": graph_1, **stats})
+        TABLE.append(
+            f"| {key} | {stats['ms_per_token']:.3f} ms/token | decode graph bs1 at 384 keys "
+            f"{graph_1:.3f} ms, GPU util {stats['gpu_util_pct']}% |"
+        )
+        print(TABLE[-1], flush=True)
+    if w3:
+        stats = run_lantau(llm, make_workload("W3-1000", 128256, w3)).summary()
+        stats["preemptions"] = core.scheduler.num_preemptions
+        RESULTS["W3-1000"] = stats
+        TABLE.append(
+            f"| W3-1000 x{w3}, max_num_seqs {max_num_seqs} | {stats['output_tok_s']:.0f} tok/s | "
+            f"GPU util {stats['gpu_util_pct']}%, preemptions {stats['preemptions']}, "
+            f"{llm.config.cache.num_blocks} KV blocks |"
+        )
+        print(TABLE[-1], flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--w3", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    global SWEEP
+    SWEEP = args.sweep
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    best = sweep()
+    RESULTS["best_configs"] = {f"{n}x{k}": c for (n, k), c in best.items()}
+    try:
+        engine_runs(best, args.w3, args.max_num_seqs)
+    finally:
+        with open(os.path.join(os.environ.get("OUT", "."), "gpu_gemv.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+        print("\n| what | baseline | result |")
+        print("\n".join(TABLE))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Skinny matrix product for decode: y = x @ W^T with a few rows of x (batch 1 to GEMV_MAX_M).
+
+At batch 1 a decode step is a stream of weight reads; cuBLAS reaches 2.7 to 3.2 TB/s on the
+small projections of an 8B model on an H200 (qkv, o), against about 4.4 for a plain read.
+Here each program owns BLOCK_N rows of W and walks the whole K dimension in BLOCK_K chunks
+(16-byte loads along K, fully coalesced), so W is read exactly once, with no split-K partials
+to reduce. x (a few KB) stays in L1/L2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# rows of x this kernel serves. NOTE: each row re-reads the weight tile (from L2 at best): at
+# 2 and 4 rows it ran at half and a quarter of cuBLAS's speed, so the model uses it for 1 row.
+GEMV_MAX_M = 4
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K] row-major (nn.Linear's weight)
+    b_ptr,  # [N] or a dummy when not HAS_BIAS
+    y_ptr,  # [M, N]
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    if M == 1:
+        # a 2-D accumulator, reduced once at the end: no cross-thread sum per chunk
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_mask = (k + offs_k) < K
+            w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :])
+            x = tl.load(x_ptr + k + offs_k, mask=k_mask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)  # [BLOCK_N]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        for m in tl.static_range(M):
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for k in range(0, K, BLOCK_K):
+                k_mask = (k + offs_k) < K
+                w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :])
+                x = tl.load(x_ptr + m * stride_xm + k + offs_k, mask=k_mask, other=0.0)
+                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def default_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from a sweep of 36 tilings at batch 1 on an
+    H200 (benchmarks/runs/2026-12-02-gpu_gemv-sweep.log): long rows take wide K chunks, tall
+    matrices taller tiles, the small projections 8-row tiles (more programs in flight)."""
+    if k >= 8192:  # down_proj of an 8B model: 4.02 TB/s (cuBLAS 3.87)
+        return 32, 1024, 8, 4
+    if n >= 16384:  # gate_up 4.34 TB/s (cuBLAS 4.27), lm_head 4.5 (cuBLAS 3.94)
+        return 16, 256, 4, 4
+    return 8, 512, 4, 4  # qkv 3.58 TB/s (cuBLAS 3.32), o 3.1 (cuBLAS 2.69)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) for 1 to GEMV_MAX_M rows of x; fp32 accumulation."""
+    # x: [M, K]; weight: [N, K]; bias: [N] -> [M, N]
+    assert x.dim() == 2 and weight.dim() == 2, f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= GEMV_MAX_M, f"gemv serves 1 to {GEMV_MAX_M} rows, got {m}"
+    assert weight.shape[1] == k, f"x has K={k}, weight {tuple(weight.shape)}"
+    assert x.dtype == weight.dtype, f"x {x.dtype}, weight {weight.dtype}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight must be contiguous along K"
+    assert x.device == weight.device, f"x on {x.device}, weight on {weight.device}"
+    if bias is not None:
+        assert bias.shape == (n,) and bias.dtype == x.dtype, f"bias {tuple(bias.shape)}"
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps, num_stages = config or default_config(n, k)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, weight if bias is None else bias, y, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        M=m, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return y
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """fp32 reference."""
+    y = x.float() @ weight.float().T
+    return y if bias is None else y + bias.float()
