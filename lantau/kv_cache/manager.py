@@ -77,6 +77,12 @@ class KVCacheManager:
         first; their tokens must already count in `num_computed_tokens`. Returns the ids of the
         blocks added to the request's table, or None, changing nothing, if too few are free.
         """
+        if not computed_blocks:  # fast path of a running request whose blocks suffice
+            blocks = self.req_to_blocks.get(request.request_id)
+            num_total = request.num_computed_tokens + num_new_tokens
+            if blocks is not None and num_total <= len(blocks) * self.block_size:
+                self._publish_full_blocks(request, num_total)
+                return []
         computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         assert not (blocks and computed_blocks), "computed blocks only for a new table"
@@ -102,7 +108,7 @@ class KVCacheManager:
             return
         # NOTE: a block whose last token is still pending (overlapped steps) is published by
         # a later call, once the token is known
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_tokens, len(request.all_token_ids)) // self.block_size
         start = self.req_to_num_hashed[request.request_id]
         if num_full <= start:
             return

@@ -38,7 +38,29 @@ class CachedRequestState:
     token_ids: list[int]  # prompt + output tokens
     num_prompt_tokens: int
     params: SamplingParams
-    block_ids: list[int]
+    row: int  # its row of ModelRunner.block_table
+    num_blocks: int = 0
+
+
+class BlockTable:
+    """Block ids of every request the runner holds, one numpy row each, kept across steps so
+    a step gathers its table with one fancy index instead of converting lists per request."""
+
+    def __init__(self, num_rows: int, max_blocks: int) -> None:
+        self.ids = np.zeros((num_rows, max_blocks), dtype=np.int32)
+        self.free_rows = list(range(num_rows - 1, -1, -1))
+
+    def add(self, block_ids: list[int]) -> int:
+        if not self.free_rows:  # more requests than rows: grow
+            n = len(self.ids)
+            self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+            self.free_rows = list(range(2 * n - 1, n - 1, -1))
+        row = self.free_rows.pop()
+        self.ids[row, : len(block_ids)] = block_ids
+        return row
+
+    def release(self, row: int) -> None:
+        self.free_rows.append(row)
 
 
 @dataclass
@@ -92,6 +114,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.kv_caches = allocate_kv_caches(config, num_blocks, model.lm_head.weight.dtype, device)
         self.states: dict[str, CachedRequestState] = {}
+        max_blocks = -(-config.scheduler.max_model_len // self.block_size)
+        self.block_table = BlockTable(config.scheduler.max_num_seqs, max_blocks)
         # per-request generators outlive preemption, so a seeded request resumes its stream
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler(seed=config.seed, device=device)
@@ -114,64 +138,79 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self.config, self.model, self.kv_caches, self.device)
         self.graphs.capture()
 
+    def _drop(self, request_id: str) -> None:
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self.block_table.release(state.row)
+
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_req_ids:
-            self.states.pop(request_id, None)
+            self._drop(request_id)
             self.generators.pop(request_id, None)
         for request_id in out.preempted_req_ids:
-            self.states.pop(request_id, None)
+            self._drop(request_id)
         for new in out.scheduled_new_reqs:
+            self._drop(new.request_id)  # a resumed request's old state, if any
             self.states[new.request_id] = CachedRequestState(
-                list(new.token_ids), new.num_prompt_tokens, new.sampling_params, new.block_ids
-            )
+                list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                self.block_table.add(new.block_ids), len(new.block_ids),
+            )  # fmt: skip
             seed = new.sampling_params.seed
             if seed is not None and new.request_id not in self.generators:
                 self.generators[new.request_id] = torch.Generator(self.device).manual_seed(seed)
+        ids = self.block_table.ids
         for cached in out.scheduled_cached_reqs:
-            self.states[cached.request_id].block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                state = self.states[cached.request_id]
+                end = state.num_blocks + len(cached.new_block_ids)
+                ids[state.row, state.num_blocks : end] = cached.new_block_ids
+                state.num_blocks = end
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         scheduled = [(r.request_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         scheduled += [(r.request_id, r.num_computed_tokens) for r in out.scheduled_cached_reqs]
-        num_tokens = out.total_num_scheduled_tokens
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        positions = np.empty(num_tokens, dtype=np.int64)
-        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
-        seq_lens = np.empty(len(scheduled), dtype=np.int32)
-        max_blocks = max(len(self.states[r].block_ids) for r, _ in scheduled)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        num_reqs = len(scheduled)
+        num_scheduled = out.num_scheduled_tokens
+        token_ids: list[int] = []
+        rows = np.empty(num_reqs, dtype=np.int64)  # block-table row of each request
+        starts = np.empty(num_reqs, dtype=np.int64)
+        counts = np.empty(num_reqs, dtype=np.int64)
+        max_blocks = 1
         sample_ids, logits_indices = [], []
         pending_rows, pending_src = [], []
-        row = 0
         for i, (request_id, start) in enumerate(scheduled):
             state = self.states[request_id]
-            n = out.num_scheduled_tokens[request_id]
+            n = num_scheduled[request_id]
             end = start + n
             known = len(state.token_ids)
             if end > known:  # its last token was sampled by the step still in flight
                 assert end == known + 1 and request_id in self._prev_rows, request_id
-                pending_rows.append(row + n - 1)
+                token_ids.extend(state.token_ids[start:known])
+                pending_rows.append(len(token_ids))
                 pending_src.append(self._prev_rows[request_id])
-                input_ids[row : row + n - 1] = state.token_ids[start:known]
+                token_ids.append(0)  # overwritten on the device
             else:
-                input_ids[row : row + n] = state.token_ids[start:end]
-            positions[row : row + n] = np.arange(start, end)
-            block_tables[i, : len(state.block_ids)] = state.block_ids
-            row += n
-            query_start_loc[i + 1] = row
-            seq_lens[i] = end
+                token_ids.extend(state.token_ids[start:end])
+            rows[i], starts[i], counts[i] = state.row, start, n
+            max_blocks = max(max_blocks, state.num_blocks)
             if end >= known:  # the last token, known or not: its logits pick the next
                 sample_ids.append(request_id)
-                logits_indices.append(row - 1)
+                logits_indices.append(len(token_ids) - 1)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start_loc[1:])
+        seq_lens = (starts + counts).astype(np.int32)
+        # position of each token: its request's start + its offset within the request
+        req_of_token = np.repeat(np.arange(num_reqs), counts)
+        positions = np.arange(len(token_ids), dtype=np.int64) + np.repeat(
+            starts - query_start_loc[:-1], counts
+        )
+        block_tables = self.block_table.ids[rows, :max_blocks]
         # slot of each token: its block (looked up per request row) * block_size + offset
-        req_of_token = np.repeat(np.arange(len(scheduled)), np.diff(query_start_loc))
         block_ids = block_tables[req_of_token, positions // self.block_size].astype(np.int64)
         slot_mapping = block_ids * self.block_size + positions % self.block_size
-        if pending_rows:
-            input_ids[pending_rows] = 0  # overwritten on the device
         return StepInputs(
-            input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-            sample_ids, np.asarray(logits_indices, dtype=np.int64),
+            np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, query_start_loc,
+            seq_lens, block_tables, sample_ids, np.asarray(logits_indices, dtype=np.int64),
             np.asarray(pending_rows, dtype=np.int64), np.asarray(pending_src, dtype=np.int64),
         )  # fmt: skip
 
