@@ -1,6 +1,6 @@
 """The decode GEMV kernel on the lent GPU, then W2 with it and without it in one run.
 
-1. Each llama3-8b projection at M = 1, 2, 4 (32 weight copies, one per layer, rotated through
+1. Each llama3-8b projection at M = 1, 2, 4, 8 (32 weight copies, one per layer, rotated through
    a CUDA graph so L2 holds none of them): cuBLAS (F.linear) against GEMV tile configurations,
    each checked against an fp32 reference; the best per shape is kept.
 2. An engine (random:llama3-8b, bf16) with those tiles: the batch-1 decode graph at 384 keys and
@@ -30,7 +30,7 @@ SHAPES = {  # name -> (N, K, copies)
     "lm_head": (128256, 4096, 1),
 }
 CONFIGS = list(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (3, 4)))
-SWEEP = False  # --sweep: all CONFIGS at M = 1, 2, 4; otherwise default_config at M = 1
+SWEEP = False  # --sweep: all CONFIGS at M = 1 (the best reused at 2-8); else default_config
 TABLE: list[str] = []
 RESULTS: dict = {}
 
@@ -70,7 +70,7 @@ def sweep() -> dict[tuple[int, int], tuple]:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         nbytes = sum(w.numel() * 2 for w in ws)
         row = {}
-        for m in (1, 2, 4) if SWEEP else (1,):
+        for m in (1, 2, 4, 8):
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in ws]
             ref = gemv_ref(xs[0], ws[0])
 

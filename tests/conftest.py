@@ -56,3 +56,21 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, **extra):
             **extra,
         )
     return out.sequences[0, len(prompt) :].tolist(), out.logits[-1][0]
+
+
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch):
+    """The interpreter of Triton 3.6 multiplies bf16 tl.dot operands as their raw uint16 bits
+    (numpy has no bf16); upcast them to fp32 first, as a GPU's bf16 MMA does with fp32
+    accumulation. The kernels themselves are unchanged."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            a, b = self.cast_impl(a, tl.float32), self.cast_impl(b, tl.float32)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

@@ -21,8 +21,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402, F401  (fail, don't skip, when triton is missing)
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
 
 from lantau.kernels import paged_attention as pa  # noqa: E402
 from lantau.runner.attention import AttentionMetadata, paged_attention_ref  # noqa: E402
@@ -43,16 +41,7 @@ HEAD_CONFIGS = [(4, 4, 32), (6, 2, 64)]
 MIXED_BATCH = [(17, 1), (37, 37), (1, 1), (49, 9), (70, 1)]
 
 
-@pytest.fixture(autouse=True)
-def interpreter_bf16_dot(monkeypatch):
-    original = interpreter.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar == tl.bfloat16:
-            a, b = self.cast_impl(a, tl.float32), self.cast_impl(b, tl.float32)
-        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+pytestmark = pytest.mark.usefixtures("interpreter_bf16_dot")  # see tests/conftest.py
 
 
 def make_batch(

@@ -13,9 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-# rows of x this kernel serves. NOTE: each row re-reads the weight tile (from L2 at best): at
-# 2 and 4 rows it ran at half and a quarter of cuBLAS's speed, so the model uses it for 1 row.
-GEMV_MAX_M = 4
+# rows of x this kernel serves. Batch 1 takes a 2-D accumulator (no per-chunk reduction);
+# 2 to 8 rows one tensor-core product per weight tile. NOTE: the model (ops.gemv_max_m) uses it
+# at batch 1 only until the 2-8-row path is measured on the GPU (an earlier version re-read W
+# per row and ran at half and a quarter of cuBLAS's speed at 2 and 4 rows).
+GEMV_MAX_M = 8
 
 
 @triton.jit
@@ -33,6 +35,8 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    M_PAD: tl.constexpr,  # M padded to a tensor-core tile (M > 1 only)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32: exact, not TF32
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -52,16 +56,23 @@ def _gemv_kernel(
             y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
     else:
-        for m in tl.static_range(M):
-            acc = tl.zeros([BLOCK_N], tl.float32)
-            for k in range(0, K, BLOCK_K):
-                k_mask = (k + offs_k) < K
-                w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :])
-                x = tl.load(x_ptr + m * stride_xm + k + offs_k, mask=k_mask, other=0.0)
-                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+        # several rows: one [M_PAD, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per chunk,
+        # so each weight tile is still read once whatever M is
+        offs_m = tl.arange(0, M_PAD)
+        m_mask = offs_m < M
+        acc2 = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_mask = (k + offs_k) < K
+            w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :])
+            x_offs = offs_m[:, None] * stride_xm + (k + offs_k)[None, :]
+            x = tl.load(x_ptr + x_offs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            acc2 += tl.dot(x, tl.trans(w).to(x.dtype), input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            acc2 += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y_offs = offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(
+            y_ptr + y_offs, acc2.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :]
+        )
 
 
 def default_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -95,10 +106,14 @@ def gemv(
         assert bias.shape == (n,) and bias.dtype == x.dtype, f"bias {tuple(bias.shape)}"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = config or default_config(n, k)
+    if m > 1:
+        block_n = max(block_n, 16)  # a tensor-core tile's N
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias, y, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         M=m, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        M_PAD=max(16, triton.next_power_of_2(m)),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
