@@ -4,7 +4,8 @@
    a CUDA graph so L2 holds none of them): cuBLAS (F.linear) against GEMV tile configurations,
    each checked against an fp32 reference; the best per shape is kept.
 2. An engine (random:llama3-8b, bf16) with those tiles: the batch-1 decode graph at 384 keys and
-   W2, with the GEMV kernel, then with cuBLAS (graphs recaptured), same engine, same run.
+   W2 with the GEMV kernel, with cuBLAS, and without the fused rope + KV write (graphs
+   recaptured each time), same engine, same run.
 3. Optionally W3-1000 (--w3 N prompts) on the same engine (max_num_seqs from --max-num-seqs).
 
     PYTHONPATH=. python3 benchmarks/gpu_gemv.py [--sweep] [--w3 1000] [--max-num-seqs 512]
@@ -136,8 +137,9 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
     if SWEEP:
         ops.gemv_configs.update(best_configs)
     w2 = make_workload("W2", 128256)
-    for use in (True, False, True):
-        ops.use_gemv = use
+    # (GEMV kernel, fused rope + KV write): today's path, cuBLAS, unfused, today's again
+    for use, fuse in ((True, True), (False, True), (True, False), (True, True)):
+        ops.use_gemv, ops.fuse_rope_kv = use, fuse
         core.runner.capture_cuda_graphs()
         graphs = core.runner.graphs
         graphs.seq_lens[:1].fill_(384)
@@ -145,7 +147,7 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         graphs.slot_mapping[:1].fill_(-1)
         graph_1 = replay_ms(graphs.graphs[1][0])
         stats = run_lantau(llm, w2).summary()
-        key = f"W2-{'gemv' if use else 'cublas'}"
+        key = f"W2-{'gemv' if use else 'cublas'}-{'fused' if fuse else 'unfused'}"
         RESULTS.setdefault(key, []).append({"graph_bs1_seq384_ms": graph_1, **stats})
         TABLE.append(
             f"| {key} | {stats['ms_per_token']:.3f} ms/token | decode graph bs1 at 384 keys "

@@ -275,6 +275,7 @@ def main() -> None:
     parser.add_argument("--modes", default="async,sync")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--scheduling-policy", default="max_utilization")
     parser.add_argument("--skip", default="")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
@@ -289,6 +290,7 @@ def main() -> None:
         max_model_len=4096,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
     )
     RESULTS["engine_start_s"] = round(time.perf_counter() - t, 1)
     RESULTS["kv_blocks"] = llm.config.cache.num_blocks

@@ -69,6 +69,7 @@ def serve(args: argparse.Namespace) -> int:
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        scheduling_policy=args.scheduling_policy,
     )
     if args.num_kv_blocks:
         engine_args["num_kv_blocks"] = args.num_kv_blocks
@@ -113,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", action="append", help="repeat for several keys")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument(
+        "--scheduling-policy",
+        default="max_utilization",
+        choices=["max_utilization", "guaranteed_no_evict"],
+        help="guaranteed_no_evict: admit only what can finish without preemption",
+    )
     p.add_argument("--max-pending-requests", type=int, default=1024, help="then 429")
     p.add_argument("--max-pending-tokens", type=int, default=1 << 20, help="then 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
@@ -131,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--scheduling-policy",
+        default="max_utilization",
+        choices=["max_utilization", "guaranteed_no_evict"],
+        help="guaranteed_no_evict: admit only what can finish without preemption",
+    )
     p.add_argument("--output", default=None, help="write the result as JSON here")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv)

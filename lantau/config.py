@@ -145,8 +145,16 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests in one step
     max_num_batched_tokens: int = 4096  # tokens in one step (the token budget)
     enable_chunked_prefill: bool = True  # a prompt may be split across steps
+    # "max_utilization": admit while blocks are free now, preempt (recompute) when they run
+    # out; "guaranteed_no_evict": admit only when the blocks every running request may still
+    # need (up to max_tokens) stay free, so nothing is ever preempted
+    policy: str = "max_utilization"
 
     def __post_init__(self) -> None:
+        if self.policy not in ("max_utilization", "guaranteed_no_evict"):
+            raise ValueError(
+                f"policy: {self.policy!r} is not max_utilization or guaranteed_no_evict"
+            )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise ValueError(
                 "max_num_seqs, max_num_batched_tokens must be >= 1, max_model_len >= 2"

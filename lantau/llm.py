@@ -49,6 +49,7 @@ def build_engine_config(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
+    scheduling_policy: str = "max_utilization",
     attention_backend: str = "auto",
     enforce_eager: bool = False,
     async_scheduling: bool = True,
@@ -90,6 +91,7 @@ def build_engine_config(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+            policy=scheduling_policy,
         ),
     )
     return config, source

@@ -66,6 +66,34 @@ def test_continuous_batching_matches_one_at_a_time(tiny_llama_dir, reference, en
     check_clean(llm)
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_guaranteed_no_evict_never_preempts(tiny_llama_dir, reference, chunk):
+    """The cache that makes max_utilization preempt (test above): admission waits for room
+    for every request's whole output instead, and the tokens are the lone-request ones."""
+    prompts, params, expected = reference
+    extra = {"max_num_batched_tokens": chunk} if chunk else {}
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=17, max_model_len=256,
+        scheduling_policy="guaranteed_no_evict", **extra,
+    )  # fmt: skip
+    peak = []
+    step = llm.engine.core.scheduler.schedule
+
+    def schedule():
+        out = step()
+        peak.append(llm.engine.core.scheduler.num_running)
+        return out
+
+    llm.engine.core.scheduler.schedule = schedule
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.core.scheduler.num_preemptions == 0
+    assert max(peak) > 1  # it still batched
+    check_clean(llm)
+    with pytest.raises(ValueError, match="policy"):
+        LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=17, scheduling_policy="lifo")
+
+
 def test_prefix_caching_computes_only_the_rest(tiny_llama_dir):
     block = 16
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)

@@ -27,7 +27,11 @@ from lantau.kernels.rms_norm import (  # noqa: E402
     rms_norm,
     rms_norm_ref,
 )
-from lantau.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
+from lantau.kernels.rotary import (  # noqa: E402
+    apply_rotary,
+    apply_rotary_and_write_kv,
+    apply_rotary_ref,
+)
 from lantau.model import ops  # noqa: E402
 from lantau.model.llama import rope_inv_freq  # noqa: E402
 from lantau.model.ops import build_cos_sin_cache  # noqa: E402
@@ -43,9 +47,9 @@ TOLERANCES = {
 NAN = float("nan")
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, equal_nan: bool = False) -> None:
     rtol, atol = TOLERANCES[expected.dtype]
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=equal_nan)
 
 
 def padded_rows(num_tokens: int, width: int, pad: int, dtype: torch.dtype) -> torch.Tensor:
@@ -184,6 +188,36 @@ def test_apply_rotary(dtype: torch.dtype, head_dim: int, scaling: RopeScaling | 
     assert_close(k, expected_k)
     assert_close(q, q_ref)
     assert_close(k, k_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_apply_rotary_and_write_kv(dtype: torch.dtype, head_dim: int) -> None:
+    """The fused kernel: q as apply_rotary leaves it, and the cache as apply_rotary followed
+    by write_kv_cache leaves it; padding rows (slot -1) and foreign slots untouched, k and v
+    not modified."""
+    torch.manual_seed(4)
+    num_tokens, num_heads, num_kv_heads, num_blocks, block_size = 7, 6, 3, 4, 4
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = padded_rows(num_tokens, q_size + 2 * kv_size, 8, dtype)
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.tensor([700, 3, 0, 1023, 3, 41, 9])
+    slot_mapping = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slot_mapping[[2, 5]] = -1  # padding rows
+    cos_sin_cache = build_cos_sin_cache(rope_inv_freq(head_dim, 10000.0, LLAMA3_SCALING), 1024)
+    poisoned = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), NAN, dtype=dtype)
+
+    q_ref, k_ref, cache_ref = q.clone(), k.clone(), poisoned.clone()
+    apply_rotary_ref(q_ref, k_ref, positions, cos_sin_cache)
+    write_kv_cache_ref(k_ref, v, cache_ref, slot_mapping)
+    k_before, v_before, cache = k.clone(), v.clone(), poisoned.clone()
+    apply_rotary_and_write_kv(q, k, v, positions, cos_sin_cache, cache, slot_mapping)
+    assert_close(q, q_ref)
+    assert_close(cache, cache_ref, equal_nan=True)  # NaN exactly where no real row wrote
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)
+    assert_pad_untouched(qkv)
 
 
 def test_rope_linear_scaling_cache() -> None:

@@ -255,6 +255,7 @@ def bench_offline(args) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        scheduling_policy=getattr(args, "scheduling_policy", "max_utilization"),
     )
     segments_before = _num_segments(device)
     ours = run_lantau(llm, workload)

@@ -9,6 +9,10 @@ and element d < h of a head pairs with element d + h:
     out[d + h] = x[d + h] * cos f_d + x[d]     * sin f_d
 
 as lantau.model.llama.apply_rope computes it. One program rotates every q and k head of a token.
+
+`apply_rotary_and_write_kv` also stores the rotated keys and the values straight into their
+paged-cache slots (one launch instead of two, k and v read once): the model's path on the
+triton backend, since attention reads keys from the cache, not from k.
 """
 
 from __future__ import annotations
@@ -149,3 +153,106 @@ def apply_rotary_ref(
     for x in (q, k):
         x1, x2 = x.float().chunk(2, dim=-1)
         x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    cos_sin_cache_ptr,
+    key_cache_ptr,  # [num_slots, num_kv_heads, 2 * HALF_DIM] contiguous
+    value_cache_ptr,
+    slot_mapping_ptr,
+    q_row_stride,
+    q_head_stride,
+    k_row_stride,
+    k_head_stride,
+    v_row_stride,
+    v_head_stride,
+    num_heads,
+    num_kv_heads,
+    HALF_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_K_HEADS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    dims = tl.arange(0, BLOCK_HALF)
+    cache_row = cos_sin_cache_ptr + position * (2 * HALF_DIM)
+    cos = tl.load(cache_row + dims, mask=dims < HALF_DIM, other=0.0)
+    sin = tl.load(cache_row + HALF_DIM + dims, mask=dims < HALF_DIM, other=0.0)
+    _rotate_heads(
+        q_ptr + token * q_row_stride, q_head_stride, num_heads, cos, sin,
+        HALF_DIM, BLOCK_Q_HEADS, BLOCK_HALF,
+    )  # fmt: skip
+    # keys: rotated in registers, stored to the cache slot only; values copied alongside.
+    # slot < 0 marks a padding row (CUDA-graph batches): the masks turn the stores off
+    slot = tl.load(slot_mapping_ptr + token)
+    heads = tl.arange(0, BLOCK_K_HEADS)
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HALF_DIM) & (slot >= 0)
+    src = heads[:, None] * k_head_stride + dims[None, :]
+    x1 = tl.load(k_ptr + token * k_row_stride + src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(k_ptr + token * k_row_stride + src + HALF_DIM, mask=mask, other=0.0)
+    x2 = x2.to(tl.float32)
+    dst = slot * (num_kv_heads * 2 * HALF_DIM) + heads[:, None] * (2 * HALF_DIM) + dims[None, :]
+    out_ty = key_cache_ptr.dtype.element_ty
+    tl.store(key_cache_ptr + dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(out_ty), mask=mask)
+    tl.store(
+        key_cache_ptr + dst + HALF_DIM, (x2 * cos[None, :] + x1 * sin[None, :]).to(out_ty), mask
+    )
+    vsrc = v_ptr + token * v_row_stride + heads[:, None] * v_head_stride + dims[None, :]
+    tl.store(value_cache_ptr + dst, tl.load(vsrc, mask=mask), mask=mask)
+    tl.store(value_cache_ptr + dst + HALF_DIM, tl.load(vsrc + HALF_DIM, mask=mask), mask=mask)
+
+
+def apply_rotary_and_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotate q in place; store rotated k and v into cache slot slot_mapping[t] (slot < 0:
+    skipped). k itself is left as it was. Shapes and rules as apply_rotary and
+    lantau.kernels.kv_cache_write.write_kv_cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (
+        f"k {tuple(k.shape)} does not match q {tuple(q.shape)}"
+    )
+    assert v.shape == k.shape, f"v {tuple(v.shape)} != k {tuple(k.shape)}"
+    assert head_dim % 2 == 0, f"head_dim must be even, got {head_dim}"
+    assert positions.shape == (num_tokens,) and positions.dtype == torch.int64
+    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
+    assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim
+    assert cos_sin_cache.dtype == torch.float32, f"cos_sin_cache dtype {cos_sin_cache.dtype}"
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, f"bad kv_cache {tuple(kv_cache.shape)}"
+    assert kv_cache.shape[3:] == k.shape[1:], (
+        f"kv_cache heads {tuple(kv_cache.shape[3:])} != k heads {tuple(k.shape[1:])}"
+    )
+    assert q.dtype == k.dtype == v.dtype == kv_cache.dtype, "q, k, v and the cache differ"
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype}"
+    devices = {t.device for t in (q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping)}
+    assert len(devices) == 1, f"tensors on {devices}"
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "last dim not contiguous"
+    assert kv_cache.is_contiguous() and cos_sin_cache.is_contiguous()
+    assert positions.is_contiguous() and slot_mapping.is_contiguous()
+    if num_tokens == 0:
+        return
+    num_kv_heads = k.shape[1]
+    block_half = triton.next_power_of_2(head_dim // 2)
+    block_q_heads = triton.next_power_of_2(num_heads)
+    _rotary_write_kv_kernel[(num_tokens,)](
+        q, k, v, positions, cos_sin_cache, kv_cache[0], kv_cache[1], slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        num_heads, num_kv_heads,
+        HALF_DIM=head_dim // 2,
+        BLOCK_HALF=block_half,
+        BLOCK_Q_HEADS=block_q_heads,
+        BLOCK_K_HEADS=triton.next_power_of_2(num_kv_heads),
+        num_warps=min(max(block_q_heads * block_half // 256, 1), 16),
+    )  # fmt: skip

@@ -67,9 +67,10 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # strided views into the qkv output
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(q, k, ctx.positions, ctx.cos_sin_cache)
         kv_cache = ctx.kv_caches[self.layer_idx]
-        ops.write_kv_cache(k, v, kv_cache, ctx.attn.slot_mapping)
+        q = ops.rotary_and_write_kv(
+            q, k, v, ctx.positions, ctx.cos_sin_cache, kv_cache, ctx.attn.slot_mapping
+        )
         out = ops.attention(q, kv_cache, ctx.attn, self.scale)
         return ops.linear(out.reshape(-1, self.q_size), self.o_proj)  # [num_tokens, hidden]
 

@@ -49,6 +49,13 @@ class TorchOps:
 
         return rotate(q), rotate(k)
 
+    @classmethod
+    def rotary_and_write_kv(cls, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping):
+        """Rotated q; the rotated k and v go to their cache slots."""
+        q, k = cls.rotary(q, k, positions, cos_sin_cache)
+        write_kv_cache(k, v, kv_cache, slot_mapping)
+        return q
+
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
@@ -83,6 +90,7 @@ class TritonOps:
         self._attn, self._norm, self._rope = paged_attention, rms_norm, rotary
         self.use_gemv = True
         self.gemv_max_m = 1  # see lantau/kernels/gemv.py: faster than cuBLAS at 1 row only
+        self.fuse_rope_kv = True
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
@@ -102,6 +110,18 @@ class TritonOps:
     def rotary(self, q, k, positions, cos_sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
         self._rope.apply_rotary(q, k, positions, cos_sin_cache)  # in place
         return q, k
+
+    def rotary_and_write_kv(self, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping):
+        """One kernel: q rotated in place, rotated k and v stored to their cache slots (two,
+        rotary then KV write, when `fuse_rope_kv` is off: for same-run comparisons)."""
+        if not self.fuse_rope_kv:
+            self._rope.apply_rotary(q, k, positions, cos_sin_cache)
+            self._kv.write_kv_cache(k, v, kv_cache, slot_mapping)
+            return q
+        self._rope.apply_rotary_and_write_kv(
+            q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping
+        )
+        return q
 
     def silu_and_mul(self, x) -> torch.Tensor:
         return self._act.silu_and_mul(x)

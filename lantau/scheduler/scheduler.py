@@ -4,7 +4,9 @@ Each step every scheduled request's `num_computed_tokens` moves towards its `num
 a whole prompt, a chunk of it, or the one token sampled last step. Prefix-cache hits count as
 computed. Running requests go first, highest priority first; when blocks run out the lowest
 priority (then newest) running request is preempted and later recomputed. Waiting requests are
-admitted FCFS within a priority while the token budget and `max_num_seqs` allow.
+admitted FCFS within a priority while the token budget and `max_num_seqs` allow, and, under the
+"guaranteed_no_evict" policy, only while the blocks that every admitted request may still need
+(prompt + max_tokens, within max_model_len) fit the cache: then no request is ever preempted.
 
 Steps may overlap: the engine schedules step N+1 while step N runs, so a request whose token
 from step N is still pending is scheduled one token ahead (`Request.num_pending_tokens`). A
@@ -148,12 +150,29 @@ class Scheduler:
         out.preempted_req_ids.add(request.request_id)
         self._push_waiting(request)
 
+    def _blocks_to_finish(self, request: Request) -> int:
+        """Blocks the request may still take: up to its last possible token."""
+        final = min(
+            request.num_prompt_tokens + request.sampling_params.max_tokens,
+            request.max_model_len,
+        )
+        held = len(self.kv_cache.req_to_blocks.get(request.request_id, ()))
+        return max(-(-final // self.kv_cache.block_size) - held, 0)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        no_evict = self.config.policy == "guaranteed_no_evict"
+        # blocks the running requests may still take; admission keeps them free
+        reserved = sum(self._blocks_to_finish(r) for r in self.running) if no_evict else 0
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
             if request is None or request.num_pending_tokens:
                 # NOTE: a request preempted while a token of it was in flight waits for it
                 return
+            if (
+                no_evict
+                and reserved + self._blocks_to_finish(request) > self.kv_cache.num_free_blocks
+            ):
+                return  # FCFS: nothing behind it jumps the queue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
@@ -181,6 +200,8 @@ class Scheduler:
             )
             self._commit(request, num_new, out)
             budget -= num_new
+            if no_evict:
+                reserved += self._blocks_to_finish(request)
 
     def _commit(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         # NOTE: counted as computed at schedule time: the runner writes these tokens' KV in
