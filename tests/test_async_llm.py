@@ -45,9 +45,10 @@ def test_generate_stream_abort_and_failure():
             assert outputs[-1].finished and seen[-1] == 8
             # at most one item per engine step; each is the same, growing RequestOutput, so
             # a reader that falls behind (two steps' items queued) skips nothing: it reads
-            # the deltas from the object, and the stream ends once it shows `finished`
+            # the deltas from the object (two items may then show the same tokens), and the
+            # stream ends once it shows `finished`
             assert all(o is outputs[0] for o in outputs)
-            assert seen == sorted(set(seen)) and len(seen) <= 8
+            assert seen == sorted(seen) and len(seen) <= 8  # never shrinks
 
             long = SamplingParams(max_tokens=200, ignore_eos=True)
             before = (await idle_stats(engine)).num_generated_tokens
