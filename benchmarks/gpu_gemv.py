@@ -124,7 +124,7 @@ def sweep() -> dict[tuple[int, int], tuple]:
 
 
 def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
-    from lantau import LLM
+    from lantau import LLM, SamplingParams
     from lantau.bench.offline import run_lantau
     from lantau.bench.workloads import make_workload
 
@@ -137,6 +137,7 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
     if SWEEP:
         ops.gemv_configs.update(best_configs)
     w2 = make_workload("W2", 128256)
+    parity: dict = {}
     # (GEMV kernel, fused rope + KV write): today's path, cuBLAS, unfused, today's again
     for use, fuse in ((True, True), (False, True), (True, False), (True, True)):
         ops.use_gemv, ops.fuse_rope_kv = use, fuse
@@ -146,12 +147,24 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         graphs.block_tables[:1, :24] = torch.arange(24, device="cuda", dtype=torch.int32)
         graphs.slot_mapping[:1].fill_(-1)
         graph_1 = replay_ms(graphs.graphs[1][0])
+        # correctness in the engine: greedy tokens and last logits against the first variant
+        check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
+        out = llm.generate({"prompt_token_ids": w2.prompts[0]}, check)[0].outputs[0].token_ids
+        last = next(iter(core.runner.last_logits.values())).float().clone()
+        ref_tokens, ref_last = parity.setdefault("ref", (out, last))
+        same = next(
+            (i for i, (a, b) in enumerate(zip(out, ref_tokens, strict=True)) if a != b), len(out)
+        )
+        rel = ((last - ref_last).norm() / ref_last.norm()).item() if same == len(out) else None
         stats = run_lantau(llm, w2).summary()
         key = f"W2-{'gemv' if use else 'cublas'}-{'fused' if fuse else 'unfused'}"
-        RESULTS.setdefault(key, []).append({"graph_bs1_seq384_ms": graph_1, **stats})
+        RESULTS.setdefault(key, []).append(
+            {"graph_bs1_seq384_ms": graph_1, "tokens_equal": same, "last_logits_rel": rel, **stats}
+        )
         TABLE.append(
             f"| {key} | {stats['ms_per_token']:.3f} ms/token | decode graph bs1 at 384 keys "
-            f"{graph_1:.3f} ms, GPU util {stats['gpu_util_pct']}% |"
+            f"{graph_1:.3f} ms, GPU util {stats['gpu_util_pct']}%; vs first variant: "
+            f"{same}/32 greedy tokens equal, last logits rel err {rel} |"
         )
         print(TABLE[-1], flush=True)
     if w3:
