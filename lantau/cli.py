@@ -70,6 +70,7 @@ def serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         scheduling_policy=args.scheduling_policy,
+        async_scheduling=args.async_scheduling,
     )
     if args.num_kv_blocks:
         engine_args["num_kv_blocks"] = args.num_kv_blocks
@@ -120,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["max_utilization", "guaranteed_no_evict"],
         help="guaranteed_no_evict: admit only what can finish without preemption",
     )
+    p.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="run steps one at a time instead of preparing step N+1 while step N runs",
+    )
     p.add_argument("--max-pending-requests", type=int, default=1024, help="then 429")
     p.add_argument("--max-pending-tokens", type=int, default=1 << 20, help="then 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
@@ -143,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         default="max_utilization",
         choices=["max_utilization", "guaranteed_no_evict"],
         help="guaranteed_no_evict: admit only what can finish without preemption",
+    )
+    p.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="run steps one at a time instead of preparing step N+1 while step N runs",
     )
     p.add_argument("--output", default=None, help="write the result as JSON here")
     p.set_defaults(func=bench)

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from lantau.bench.workloads import make_workload
 
 
@@ -19,11 +21,16 @@ def test_workloads_have_the_specified_shapes():
     assert [len(p) for p in w3.prompts] == [2048] * 3 and w3.max_tokens == 128
 
 
-def test_bench_offline_cli(tmp_path):
+@pytest.mark.parametrize(
+    "engine_flags",
+    [[], ["--no-async-scheduling", "--scheduling-policy", "guaranteed_no_evict"]],
+    ids=["default", "sync+no-evict"],
+)
+def test_bench_offline_cli(tmp_path, engine_flags):
     out = tmp_path / "result.json"
     cmd = [
         sys.executable, "-m", "lantau.cli", "bench", "offline", "--model", "random:tiny",
-        "--workload", "in:24/out:6", "--num-prompts", "5", "--output", str(out),
+        "--workload", "in:24/out:6", "--num-prompts", "5", "--output", str(out), *engine_flags,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

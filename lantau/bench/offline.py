@@ -256,6 +256,7 @@ def bench_offline(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         scheduling_policy=getattr(args, "scheduling_policy", "max_utilization"),
+        async_scheduling=getattr(args, "async_scheduling", True),
     )
     segments_before = _num_segments(device)
     ours = run_lantau(llm, workload)
