@@ -21,6 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from lantau.bench.offline import graph_ms, replay_ms
 from lantau.kernels.gemv import default_config, gemv, gemv_ref
 
 SHAPES = {  # name -> (N, K, copies)
@@ -34,35 +35,6 @@ CONFIGS = list(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (3, 4)))
 SWEEP = False  # --sweep: all CONFIGS at M = 1 (the best reused at 2-8); else default_config
 TABLE: list[str] = []
 RESULTS: dict = {}
-
-
-def graph_ms(fn, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(iters):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / iters
-
-
-def replay_ms(graph, iters: int = 50) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / iters
 
 
 def sweep() -> dict[tuple[int, int], tuple]:

@@ -27,30 +27,17 @@ import torch
 import torch.nn.functional as F
 
 from lantau import LLM, SamplingParams
-from lantau.bench.offline import _num_segments, measure_ceilings, run_lantau
+from lantau.bench.offline import (
+    _num_segments,
+    graph_ms,
+    measure_ceilings,
+    replay_ms,
+    run_lantau,
+)
 from lantau.bench.workloads import make_workload
 
 RESULTS: dict = {}
 TABLE: list[tuple[str, str, str]] = []
-
-
-def graph_ms(fn, iters: int = 50) -> float:
-    """Median-free mean of `iters` back-to-back replays of fn captured as one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(iters):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / iters
 
 
 def gemm_study(model, copy_tb_s: float) -> None:
@@ -350,15 +337,7 @@ def decode_graph(llm) -> None:
         table = torch.arange(bs * nblk, device=graphs.seq_lens.device, dtype=torch.int32)
         graphs.block_tables[:bs, :nblk] = table.view(bs, nblk)
         graphs.slot_mapping[:bs].fill_(-1)
-        graph.replay()
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        out[f"bs{bs}-seq{seq}"] = round(begin.elapsed_time(end) / 20, 4)
+        out[f"bs{bs}-seq{seq}"] = round(replay_ms(graph, 20), 4)
     graphs.seq_lens.fill_(1)
     graphs.block_tables.zero_()
     RESULTS["decode_graph_ms"] = out

@@ -14,7 +14,7 @@ from collections import defaultdict
 import torch
 
 from lantau import LLM, SamplingParams
-from lantau.bench.offline import measure_ceilings
+from lantau.bench.offline import measure_ceilings, replay_ms
 from lantau.bench.workloads import make_workload
 
 TIMES: dict[str, list[float]] = defaultdict(list)
@@ -62,17 +62,7 @@ def main() -> None:
     instrumented_ms = (time.perf_counter() - start) * 1e3 / 512
 
     # the decode graph alone, replayed back to back: the GPU's own time per token
-    graph, _ = core.runner.graphs.graphs[1]
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(200):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    graph_ms = begin.elapsed_time(end) / 200
+    graph_ms = replay_ms(core.runner.graphs.graphs[1][0], 200)
 
     print(f"\nceilings {ceilings}; weights {weight_bytes / 1e9:.2f} GB")
     print("| stage | ms per step (median) | calls |")

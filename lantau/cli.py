@@ -1,4 +1,4 @@
-"""`lantau chat`: talk to a model in the terminal (the serving issue adds `lantau serve`)."""
+"""The `lantau` command: `chat` (a model in the terminal), `serve`, `bench offline`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,21 @@ import argparse
 import sys
 
 from lantau.request import SamplingParams
+
+
+def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--scheduling-policy",
+        default="max_utilization",
+        choices=["max_utilization", "guaranteed_no_evict"],
+        help="guaranteed_no_evict: admit only what can finish without preemption",
+    )
+    p.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="run steps one at a time instead of preparing step N+1 while step N runs",
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -115,18 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", action="append", help="repeat for several keys")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument(
-        "--scheduling-policy",
-        default="max_utilization",
-        choices=["max_utilization", "guaranteed_no_evict"],
-        help="guaranteed_no_evict: admit only what can finish without preemption",
-    )
-    p.add_argument(
-        "--no-async-scheduling",
-        dest="async_scheduling",
-        action="store_false",
-        help="run steps one at a time instead of preparing step N+1 while step N runs",
-    )
+    _add_scheduling_args(p)
     p.add_argument("--max-pending-requests", type=int, default=1024, help="then 429")
     p.add_argument("--max-pending-tokens", type=int, default=1 << 20, help="then 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
@@ -145,18 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument(
-        "--scheduling-policy",
-        default="max_utilization",
-        choices=["max_utilization", "guaranteed_no_evict"],
-        help="guaranteed_no_evict: admit only what can finish without preemption",
-    )
-    p.add_argument(
-        "--no-async-scheduling",
-        dest="async_scheduling",
-        action="store_false",
-        help="run steps one at a time instead of preparing step N+1 while step N runs",
-    )
+    _add_scheduling_args(p)
     p.add_argument("--output", default=None, help="write the result as JSON here")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv)

@@ -137,6 +137,12 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def max_num_tokens(self) -> int:
+        """Prompt + output tokens at which the request ends by length (max_tokens or
+        max_model_len, whichever comes first)."""
+        return min(self.num_prompt_tokens + self.sampling_params.max_tokens, self.max_model_len)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
@@ -161,6 +167,6 @@ class Request:
             return FinishReason.STOP
         if last in params.stop_token_ids:
             return FinishReason.STOP
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
+        if self.num_tokens >= self.max_num_tokens:
             return FinishReason.LENGTH
         return None

@@ -128,6 +128,29 @@ def _time_cuda(fn, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 50) -> float:
+    """Mean GPU time of one replay of a captured graph, replayed back to back."""
+    graph.replay()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def graph_ms(fn, iters: int = 20) -> float:
+    """Mean GPU time of fn, captured as one CUDA graph (no launch gaps) and replayed."""
+    fn()  # warm-up: compiles, settles the allocator
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return replay_ms(graph, iters)
+
+
 def run_lantau(llm, workload: Workload, on_start=None) -> RunStats:
     """All requests at once; per-request TTFT and end-to-end from the run's start.
 

@@ -23,6 +23,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _cos_sin(cos_sin_cache_ptr, position, HALF_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """cos and sin of one position's angles: [BLOCK_HALF] fp32 each, 0 past HALF_DIM."""
+    dims = tl.arange(0, BLOCK_HALF)
+    row = cos_sin_cache_ptr + position * (2 * HALF_DIM)
+    cos = tl.load(row + dims, mask=dims < HALF_DIM, other=0.0)
+    sin = tl.load(row + HALF_DIM + dims, mask=dims < HALF_DIM, other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def _rotated(row_ptr, offs, mask, cos, sin, HALF_DIM: tl.constexpr):
+    """Both halves of the heads at `offs` (first-half offsets) from row_ptr, rotated (fp32)."""
+    x1 = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row_ptr + offs + HALF_DIM, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+
+
+@triton.jit
 def _rotate_heads(
     row_ptr,
     head_stride,
@@ -38,10 +56,7 @@ def _rotate_heads(
     dims = tl.arange(0, BLOCK_HALF)
     offs = heads[:, None] * head_stride + dims[None, :]  # [BLOCK_HEADS, BLOCK_HALF]
     mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF_DIM)
-    x1 = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(row_ptr + offs + HALF_DIM, mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    out1, out2 = _rotated(row_ptr, offs, mask, cos, sin, HALF_DIM)
     tl.store(row_ptr + offs, out1.to(row_ptr.dtype.element_ty), mask=mask)
     tl.store(row_ptr + offs + HALF_DIM, out2.to(row_ptr.dtype.element_ty), mask=mask)
 
@@ -65,11 +80,7 @@ def _apply_rotary_kernel(
 ):
     # int64: token * row_stride passes 2**31 on long prefills of wide models
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token)
-    dims = tl.arange(0, BLOCK_HALF)
-    cache_row = cos_sin_cache_ptr + position * (2 * HALF_DIM)
-    cos = tl.load(cache_row + dims, mask=dims < HALF_DIM, other=0.0)
-    sin = tl.load(cache_row + HALF_DIM + dims, mask=dims < HALF_DIM, other=0.0)
+    cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
     _rotate_heads(
         q_ptr + token * q_row_stride,
         q_head_stride,
@@ -179,11 +190,7 @@ def _rotary_write_kv_kernel(
     BLOCK_K_HEADS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token)
-    dims = tl.arange(0, BLOCK_HALF)
-    cache_row = cos_sin_cache_ptr + position * (2 * HALF_DIM)
-    cos = tl.load(cache_row + dims, mask=dims < HALF_DIM, other=0.0)
-    sin = tl.load(cache_row + HALF_DIM + dims, mask=dims < HALF_DIM, other=0.0)
+    cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
     _rotate_heads(
         q_ptr + token * q_row_stride, q_head_stride, num_heads, cos, sin,
         HALF_DIM, BLOCK_Q_HEADS, BLOCK_HALF,
@@ -192,17 +199,14 @@ def _rotary_write_kv_kernel(
     # slot < 0 marks a padding row (CUDA-graph batches): the masks turn the stores off
     slot = tl.load(slot_mapping_ptr + token)
     heads = tl.arange(0, BLOCK_K_HEADS)
+    dims = tl.arange(0, BLOCK_HALF)
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HALF_DIM) & (slot >= 0)
     src = heads[:, None] * k_head_stride + dims[None, :]
-    x1 = tl.load(k_ptr + token * k_row_stride + src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(k_ptr + token * k_row_stride + src + HALF_DIM, mask=mask, other=0.0)
-    x2 = x2.to(tl.float32)
+    out1, out2 = _rotated(k_ptr + token * k_row_stride, src, mask, cos, sin, HALF_DIM)
     dst = slot * (num_kv_heads * 2 * HALF_DIM) + heads[:, None] * (2 * HALF_DIM) + dims[None, :]
     out_ty = key_cache_ptr.dtype.element_ty
-    tl.store(key_cache_ptr + dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(out_ty), mask=mask)
-    tl.store(
-        key_cache_ptr + dst + HALF_DIM, (x2 * cos[None, :] + x1 * sin[None, :]).to(out_ty), mask
-    )
+    tl.store(key_cache_ptr + dst, out1.to(out_ty), mask=mask)
+    tl.store(key_cache_ptr + dst + HALF_DIM, out2.to(out_ty), mask=mask)
     vsrc = v_ptr + token * v_row_stride + heads[:, None] * v_head_stride + dims[None, :]
     tl.store(value_cache_ptr + dst, tl.load(vsrc, mask=mask), mask=mask)
     tl.store(value_cache_ptr + dst + HALF_DIM, tl.load(vsrc + HALF_DIM, mask=mask), mask=mask)

@@ -62,10 +62,6 @@ class TorchOps:
         return F.silu(gate) * up
 
     @staticmethod
-    def write_kv_cache(key, value, kv_cache, slot_mapping) -> None:
-        write_kv_cache(key, value, kv_cache, slot_mapping)
-
-    @staticmethod
     def attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_ref(q, kv_cache, meta, scale)
 
@@ -107,10 +103,6 @@ class TritonOps:
         self._norm.fused_add_rms_norm(x, residual, weight, eps)  # in place on both
         return x, residual
 
-    def rotary(self, q, k, positions, cos_sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        self._rope.apply_rotary(q, k, positions, cos_sin_cache)  # in place
-        return q, k
-
     def rotary_and_write_kv(self, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping):
         """One kernel: q rotated in place, rotated k and v stored to their cache slots (two,
         rotary then KV write, when `fuse_rope_kv` is off: for same-run comparisons)."""
@@ -125,9 +117,6 @@ class TritonOps:
 
     def silu_and_mul(self, x) -> torch.Tensor:
         return self._act.silu_and_mul(x)
-
-    def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
-        self._kv.write_kv_cache(key, value, kv_cache, slot_mapping)
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)

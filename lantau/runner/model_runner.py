@@ -218,13 +218,13 @@ class ModelRunner:
         """Write the tokens the previous step sampled into this step's device input ids."""
         if not len(inputs.pending_rows):
             return
-        rows = to_device(torch.from_numpy(inputs.pending_rows), torch.int64, self.device)
-        src = to_device(torch.from_numpy(inputs.pending_src), torch.int64, self.device)
+        rows = to_device(inputs.pending_rows, self.device)
+        src = to_device(inputs.pending_src, self.device)
         input_ids.index_copy_(0, rows, self._prev_token_ids[src])
 
     def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, ForwardContext]:
         def tensor(a: np.ndarray) -> torch.Tensor:
-            return to_device(torch.from_numpy(a), a.dtype, self.device)
+            return to_device(a, self.device)
 
         meta = AttentionMetadata(
             slot_mapping=tensor(inputs.slot_mapping),
@@ -247,7 +247,7 @@ class ModelRunner:
             return self.graphs.run(inputs, self.fill_pending)[: len(inputs.sample_ids)]
         input_ids, ctx = self._to_device(inputs)
         hidden = self.model(input_ids, ctx)
-        indices = to_device(torch.from_numpy(inputs.logits_indices), torch.int64, self.device)
+        indices = to_device(inputs.logits_indices, self.device)
         return self.model.compute_logits(hidden[indices])
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

@@ -51,10 +51,10 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]
 
 
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list or tensor on `device` without a stream sync: CUDA copies go through
-    pinned memory (a pageable copy would wait for all queued work)."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list, numpy array or tensor on `device` without a stream sync: CUDA copies go
+    through pinned memory (a pageable copy would wait for all queued work)."""
+    host = torch.as_tensor(values, dtype=dtype)  # numpy arrays are not copied
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -89,8 +89,8 @@ def _token_counts(
     # built on the host: repeat_interleave on the device would sync to size its output.
     flat = list(itertools.chain.from_iterable(token_lists))
     rows_host = list(itertools.chain.from_iterable([i] * len(t) for i, t in enumerate(token_lists)))
-    tokens = to_device(flat, torch.int64, device)
-    rows = to_device(rows_host, torch.int64, device)
+    tokens = to_device(flat, device, torch.int64)
+    rows = to_device(rows_host, device, torch.int64)
     # [total_tokens] flat offsets into the [num_rows * vocab_size] view
     counts.scatter_add_(0, rows * vocab_size + tokens, torch.ones_like(tokens, dtype=counts.dtype))
     return counts.view(num_rows, vocab_size)
@@ -123,9 +123,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         device,
     )
     f32 = torch.float32
-    rep = to_device([r.params.repetition_penalty for r in rows], f32, device)[:, None]
-    presence = to_device([r.params.presence_penalty for r in rows], f32, device)[:, None]
-    freq = to_device([r.params.frequency_penalty for r in rows], f32, device)[:, None]
+    rep = to_device([r.params.repetition_penalty for r in rows], device, f32)[:, None]
+    presence = to_device([r.params.presence_penalty for r in rows], device, f32)[:, None]
+    freq = to_device([r.params.frequency_penalty for r in rows], device, f32)[:, None]
 
     seen = (prompt_counts > 0) | (output_counts > 0)  # [num_rows, vocab_size]
     repeated = torch.where(logits > 0, logits / rep, logits * rep)  # [num_rows, vocab_size]
@@ -179,7 +179,7 @@ def logprob_tensors(
     if not wanted:
         return None
     vocab_size = raw_logits.shape[-1]
-    idx = to_device(wanted, torch.int64, raw_logits.device)
+    idx = to_device(wanted, raw_logits.device, torch.int64)
     logprobs = raw_logits[idx].float().log_softmax(dim=-1)  # [num_wanted, vocab_size]
     chosen_ids = token_ids[idx]  # [num_wanted]
     chosen = logprobs.gather(-1, chosen_ids[:, None]).squeeze(-1)  # [num_wanted]
@@ -263,9 +263,9 @@ class Sampler:
             token_ids = self._sample(penalized, rows)
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
-            g_idx = to_device(greedy, torch.int64, device)
+            g_idx = to_device(greedy, device, torch.int64)
             token_ids[g_idx] = penalized[g_idx].argmax(dim=-1)
-            s_idx = to_device(sampled, torch.int64, device)
+            s_idx = to_device(sampled, device, torch.int64)
             token_ids[s_idx] = self._sample(penalized[s_idx], [rows[i] for i in sampled])
 
         logprobs = logprob_tensors(logits, rows, token_ids)
@@ -283,16 +283,16 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, filters, then the exponential race; logits: [num_sampled, vocab_size]."""
         device = logits.device
-        temperature = to_device([r.params.temperature for r in rows], torch.float32, device)
+        temperature = to_device([r.params.temperature for r in rows], device, torch.float32)
         logits = logits / temperature[:, None]  # [num_sampled, vocab_size]
 
         # Each filter is skipped when no row uses it: the sort in top-k/top-p is the costly one.
         if any(r.params.min_p > 0.0 for r in rows):
-            min_p = to_device([r.params.min_p for r in rows], torch.float32, device)
+            min_p = to_device([r.params.min_p for r in rows], device, torch.float32)
             logits = apply_min_p(logits, min_p)
         if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
-            top_k = to_device([r.params.top_k for r in rows], torch.int64, device)
-            top_p = to_device([r.params.top_p for r in rows], torch.float32, device)
+            top_k = to_device([r.params.top_k for r in rows], device, torch.int64)
+            top_p = to_device([r.params.top_p for r in rows], device, torch.float32)
             logits = apply_top_k_top_p(logits, top_k, top_p)
 
         probs = logits.softmax(dim=-1)  # [num_sampled, vocab_size]
@@ -314,6 +314,6 @@ class Sampler:
         if unseeded:
             shared = torch.empty(len(unseeded), vocab_size, device=device)
             shared.exponential_(generator=self.generator)
-            q[to_device(unseeded, torch.int64, device)] = shared
+            q[to_device(unseeded, device, torch.int64)] = shared
         # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)

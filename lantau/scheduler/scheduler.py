@@ -19,7 +19,7 @@ import heapq
 import itertools
 
 from lantau.config import SchedulerConfig
-from lantau.kv_cache.manager import KVCacheManager
+from lantau.kv_cache.manager import KVCacheManager, cdiv
 from lantau.request import FinishReason, Request, RequestStatus
 from lantau.scheduler.output import (
     CachedRequestData,
@@ -101,10 +101,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if self._done_once_pending_arrive(request):
-                i += 1
-                continue
             num_tokens = request.num_tokens + request.num_pending_tokens
+            if request.num_pending_tokens and num_tokens >= request.max_num_tokens:
+                i += 1  # its pending tokens end it: nothing left to compute
+                continue
             num_new = min(num_tokens - request.num_computed_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new < (
                 num_tokens - request.num_computed_tokens
@@ -129,18 +129,6 @@ class Scheduler:
             i += 1
         return budget
 
-    @staticmethod
-    def _done_once_pending_arrive(request: Request) -> bool:
-        """A request whose pending tokens reach max_tokens or max_model_len has nothing left
-        to compute (it finishes when they arrive)."""
-        if not request.num_pending_tokens:
-            return False
-        num_output = request.num_output_tokens + request.num_pending_tokens
-        num_tokens = request.num_tokens + request.num_pending_tokens
-        return (
-            num_output >= request.sampling_params.max_tokens or num_tokens >= request.max_model_len
-        )
-
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -152,12 +140,8 @@ class Scheduler:
 
     def _blocks_to_finish(self, request: Request) -> int:
         """Blocks the request may still take: up to its last possible token."""
-        final = min(
-            request.num_prompt_tokens + request.sampling_params.max_tokens,
-            request.max_model_len,
-        )
         held = len(self.kv_cache.req_to_blocks.get(request.request_id, ()))
-        return max(-(-final // self.kv_cache.block_size) - held, 0)
+        return max(cdiv(request.max_num_tokens, self.kv_cache.block_size) - held, 0)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         no_evict = self.config.policy == "guaranteed_no_evict"
