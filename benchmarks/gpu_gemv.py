@@ -3,9 +3,11 @@
 1. Each llama3-8b projection at M = 1, 2, 4, 8 (32 weight copies, one per layer, rotated through
    a CUDA graph so L2 holds none of them): cuBLAS (F.linear) against GEMV tile configurations,
    each checked against an fp32 reference; the best per shape is kept.
+   With programmatic dependent launch (PDL) and without.
 2. An engine (random:llama3-8b, bf16) with those tiles: the batch-1 decode graph at 384 keys and
-   W2 with the GEMV kernel, with cuBLAS, and without the fused rope + KV write (graphs
-   recaptured each time), same engine, same run.
+   W2 with each piece of the batch-1 path turned off in turn (GEMV kernel vs cuBLAS, fused
+   rope + KV write, norms / SiLU / residual adds folded into the GEMVs, PDL), graphs
+   recaptured each time, same engine, same run, tokens and logits checked against the first.
 3. Optionally W3-1000 (--w3 N prompts) on the same engine (max_num_seqs from --max-num-seqs).
 
     PYTHONPATH=. python3 benchmarks/gpu_gemv.py [--sweep] [--w3 1000] [--max-num-seqs 512]
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lantau.bench.offline import graph_ms, replay_ms
+from lantau.kernels import pdl
 from lantau.kernels.gemv import default_config, gemv, gemv_ref
 
 SHAPES = {  # name -> (N, K, copies)
@@ -76,17 +79,27 @@ def sweep() -> dict[tuple[int, int], tuple]:
             if m == 1:
                 best_configs[(n, k)] = cfg
             ms, err = timed[cfg]
+            pdl.set_enabled(False)  # the same chain of launches without PDL
+
+            def run_nopdl(xs=xs, ws=ws, cfg=cfg):
+                for w, x in zip(ws, xs, strict=True):
+                    gemv(x, w, config=cfg)
+
+            ms_nopdl = graph_ms(run_nopdl)
+            pdl.set_enabled(True)
             row[m] = {
                 "cublas_ms": round(base, 4),
                 "cublas_tb_s": round(nbytes / base / 1e9, 3),
                 "gemv_ms": round(ms, 4),
                 "gemv_tb_s": round(nbytes / ms / 1e9, 3),
+                "gemv_nopdl_tb_s": round(nbytes / ms_nopdl / 1e9, 3),
                 "config": cfg,
                 "rel_err": float(f"{err:.2e}"),
             }
             TABLE.append(
                 f"| {name} M={m} | cuBLAS {row[m]['cublas_tb_s']} TB/s | GEMV {cfg} "
-                f"{row[m]['gemv_tb_s']} TB/s, err {row[m]['rel_err']} |"
+                f"{row[m]['gemv_tb_s']} TB/s (without PDL {row[m]['gemv_nopdl_tb_s']}), "
+                f"err {row[m]['rel_err']} |"
             )
             print(TABLE[-1], flush=True)
         RESULTS[name] = row
@@ -110,10 +123,30 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         ops.gemv_configs.update(best_configs)
     w2 = make_workload("W2", 128256)
     parity: dict = {}
-    # (GEMV kernel, fused rope + KV write): today's path, cuBLAS, unfused, today's again
-    for use, fuse in ((True, True), (False, True), (True, False), (True, True)):
-        ops.use_gemv, ops.fuse_rope_kv = use, fuse
-        core.runner.capture_cuda_graphs()
+    # (GEMV kernel, fused rope + KV write, norms/SiLU/residual folded into the GEMVs, PDL):
+    # today's path first (the parity reference), then each piece off, then today's again
+    variants = [
+        (True, True, True, True),
+        (True, True, False, True),
+        (True, True, True, False),
+        (True, True, False, False),  # the previous session's path
+        (True, False, False, False),
+        (False, True, False, False),  # cuBLAS
+        (True, True, True, True),
+    ]
+    for use, fuse, fuse_decode, use_pdl in variants:
+        key = (
+            f"W2-{'gemv' if use else 'cublas'}-{'rope_kv' if fuse else 'rope+kv'}"
+            f"-{'fold' if fuse_decode else 'nofold'}-{'pdl' if use_pdl else 'nopdl'}"
+        )
+        ops.use_gemv, ops.fuse_rope_kv, ops.fuse_decode = use, fuse, fuse_decode
+        pdl.set_enabled(use_pdl)
+        try:
+            core.runner.capture_cuda_graphs()
+        except Exception as e:  # e.g. PDL launches that graph capture refuses
+            TABLE.append(f"| {key} | capture failed: {type(e).__name__} {str(e)[:200]} | |")
+            print(TABLE[-1], flush=True)
+            continue
         graphs = core.runner.graphs
         graphs.seq_lens[:1].fill_(384)
         graphs.block_tables[:1, :24] = torch.arange(24, device="cuda", dtype=torch.int32)
@@ -129,7 +162,6 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         )
         rel = ((last - ref_last).norm() / ref_last.norm()).item() if same == len(out) else None
         stats = run_lantau(llm, w2).summary()
-        key = f"W2-{'gemv' if use else 'cublas'}-{'fused' if fuse else 'unfused'}"
         RESULTS.setdefault(key, []).append(
             {"graph_bs1_seq384_ms": graph_1, "tokens_equal": same, "last_logits_rel": rel, **stats}
         )

@@ -65,3 +65,46 @@ def test_gemv_rejects_bad_inputs():
         gemv(x, torch.randn(8, 4).T)
     with pytest.raises(AssertionError, match="bias"):
         gemv(x, w, torch.randn(5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (17, 1000)])
+@pytest.mark.parametrize("fusion", ["norm", "silu", "residual", "norm+residual", "silu+residual"])
+def test_gemv_fusions_match_reference(dtype, n, k, fusion):
+    """Batch 1 with the RMSNorm before it, the SiLU-and-mul before it, or the residual add
+    after it folded in: against the fp32 reference and against the unfused torch ops."""
+    from lantau.model.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(n + k + len(fusion))
+    x = torch.randn(1, 2 * k if "silu" in fusion else k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    norm_weight = (torch.rand(k, generator=gen) + 0.5).to(dtype) if "norm" in fusion else None
+    residual = torch.randn(1, n, generator=gen).to(dtype) if "residual" in fusion else None
+    kwargs = dict(norm_weight=norm_weight, eps=1e-5, silu="silu" in fusion)
+    ref = gemv_ref(x, w, residual=residual, **kwargs)
+    # unfused, as the torch backend runs the layer
+    h = TorchOps.rms_norm(x, norm_weight, 1e-5) if norm_weight is not None else x
+    h = TorchOps.silu_and_mul(h) if "silu" in fusion else h
+    unfused = F.linear(h, w)
+    if residual is not None:
+        unfused = unfused + residual
+    for config in [(8, 64, 4, 2), (16, 256, 4, 3)]:
+        dst = None if residual is None else residual.clone()
+        out = gemv(x, w, config=config, residual=dst, **kwargs)
+        if dst is not None:
+            assert out is dst  # in place
+        assert out.shape == (1, n) and out.dtype == dtype
+        assert rel_err(out, ref) < TOLERANCES[dtype], config
+        assert rel_err(out, unfused.float()) < 2 * TOLERANCES[dtype], config
+
+
+def test_gemv_fusions_reject_bad_inputs():
+    w = torch.randn(4, 8)
+    with pytest.raises(AssertionError, match="batch 1"):
+        gemv(torch.randn(2, 8), w, norm_weight=torch.ones(8))
+    with pytest.raises(AssertionError, match="norm_weight"):
+        gemv(torch.randn(1, 8), w, norm_weight=torch.ones(9))
+    with pytest.raises(AssertionError, match="K="):
+        gemv(torch.randn(1, 8), w, silu=True)  # [gate | up] must be 2K wide
+    with pytest.raises(AssertionError, match="residual"):
+        gemv(torch.randn(1, 8), w, residual=torch.zeros(1, 5))

@@ -32,14 +32,16 @@ def test_triton_backend_matches_torch(tiny_llama_dir):
 
 
 def test_triton_backend_small_batches_take_the_gemv_kernel(tiny_llama_dir, monkeypatch):
-    """Batch-1 steps run every projection through the GEMV kernel, with the torch
-    backend's tokens and logits."""
+    """Batch-1 steps run every projection through the GEMV kernel, the norms, SiLU-and-mul and
+    residual adds folded into it, with the torch backend's tokens and logits."""
     from lantau.kernels import gemv
 
     calls = []
     original = gemv.gemv
     monkeypatch.setattr(
-        gemv, "gemv", lambda x, *a, **k: (calls.append(x.shape[0]), original(x, *a, **k))[1]
+        gemv,
+        "gemv",
+        lambda x, *a, **k: (calls.append((x.shape[0], *sorted(k))), original(x, *a, **k))[1],
     )
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (9, 23, 4)]
@@ -56,7 +58,9 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(tiny_llama_dir, monke
             tokens.append([o.outputs[0].token_ids for o in outs])
             logits.append(dict(llm.engine.core.runner.last_logits))
         results[backend] = (tokens, logits)
-    assert calls and set(calls) == {1}  # batch 1 only (ops.gemv_max_m)
+    assert calls and {c[0] for c in calls} == {1}  # batch 1 only (ops.gemv_max_m)
+    fusions = {c[1:] for c in calls}  # per layer: qkv and gate_up after a norm, o and down
+    assert fusions == {("eps", "norm_weight"), ("residual",), ("residual", "silu")}
     assert results["triton"][0] == results["torch"][0]
     for ref_step, out_step in zip(results["torch"][1], results["triton"][1], strict=True):
         for key, ref in ref_step.items():

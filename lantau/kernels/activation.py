@@ -7,6 +7,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from lantau.kernels import pdl
+from lantau.kernels.pdl import pdl_wait
+
 # widest column tile of one program: past this a row is split over several programs, so that
 # decode batches of a few tokens still spread a wide MLP (d = 14336) over many SMs
 MAX_BLOCK_SIZE = 4096
@@ -20,7 +23,9 @@ def _silu_and_mul_kernel(
     out_row_stride,
     d,
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of d, at most MAX_BLOCK_SIZE
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = cols < d
@@ -57,6 +62,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         out.stride(0),
         d,
         BLOCK_SIZE=block_size,
+        USE_PDL=pdl.enabled(x.device),
+        **pdl.launch_kwargs(x.device),
         # about 8 elements per thread: 16-byte fp16 loads
         num_warps=min(max(block_size // 256, 1), 16),
     )

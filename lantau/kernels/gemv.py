@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lantau.kernels import pdl
+from lantau.kernels.pdl import pdl_wait
+
 # rows of x this kernel serves. Batch 1 takes a 2-D accumulator (no per-chunk reduction);
 # 2 to 8 rows one tensor-core product per weight tile. NOTE: the model (ops.gemv_max_m) uses it
 # at batch 1 only until the 2-8-row path is measured on the GPU (an earlier version re-read W
@@ -21,22 +24,42 @@ GEMV_MAX_M = 8
 
 
 @triton.jit
+def _x_chunk(x_ptr, nw_ptr, k, offs_k, K, NORM: tl.constexpr, SILU: tl.constexpr):
+    """x[k : k + BLOCK_K] in fp32 as the product sees it, and its squares (for NORM)."""
+    k_mask = (k + offs_k) < K
+    x = tl.load(x_ptr + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    sq = x * x
+    if NORM:  # x is the residual stream; the norm's weight now, its 1/rms at the end
+        x = x * tl.load(nw_ptr + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    if SILU:  # x is [gate | up], 2K wide
+        up = tl.load(x_ptr + K + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        x = x * tl.sigmoid(x) * up
+    return x, sq, k_mask
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr,  # [M, K]
+    x_ptr,  # [M, K] ([1, 2K] when SILU)
     w_ptr,  # [N, K] row-major (nn.Linear's weight)
     b_ptr,  # [N] or a dummy when not HAS_BIAS
-    y_ptr,  # [M, N]
+    y_ptr,  # [M, N]; the residual [1, N], updated in place, when RESIDUAL
+    nw_ptr,  # [K] the RMSNorm weight when NORM, else a dummy
     N,
     K,
+    eps,
     stride_xm,
     stride_wn,
     stride_ym,
     M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,  # y = W rmsnorm(x): x is the residual stream (M == 1)
+    SILU: tl.constexpr,  # y = W (silu(gate) * up) for x = [gate | up] (M == 1)
+    RESIDUAL: tl.constexpr,  # y_ptr += W x, rounded as the unfused add (M == 1)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     M_PAD: tl.constexpr,  # M padded to a tensor-core tile (M > 1 only)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32: exact, not TF32
+    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -44,18 +67,31 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     if M == 1:
+        # the first weight tile is read while the previous kernel finishes (weights are never
+        # written); x comes after the wait
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :])
+        pdl_wait(USE_PDL)
+        x, sq, _ = _x_chunk(x_ptr, nw_ptr, 0, offs_k, K, NORM, SILU)
         # a 2-D accumulator, reduced once at the end: no cross-thread sum per chunk
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_mask = (k + offs_k) < K
+        acc = w.to(tl.float32) * x[None, :]
+        for k in range(BLOCK_K, K, BLOCK_K):
+            x, sq_k, k_mask = _x_chunk(x_ptr, nw_ptr, k, offs_k, K, NORM, SILU)
             w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :])
-            x = tl.load(x_ptr + k + offs_k, mask=k_mask, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc += w.to(tl.float32) * x[None, :]
+            if NORM:
+                sq += sq_k
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
+        if NORM:
+            y *= tl.math.rsqrt(tl.sum(sq, axis=0) / K + eps)
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        y = y.to(y_ptr.dtype.element_ty)
+        if RESIDUAL:  # the projection rounded, then the sum rounded: as x + residual
+            residual = tl.load(y_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            y = (residual + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs_n, y, mask=n_mask)
     else:
+        pdl_wait(USE_PDL)
         # several rows: one [M_PAD, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per chunk,
         # so each weight tile is still read once whatever M is
         offs_m = tl.arange(0, M_PAD)
@@ -91,12 +127,26 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) for 1 to GEMV_MAX_M rows of x; fp32 accumulation."""
+    """x @ weight.T (+ bias) for 1 to GEMV_MAX_M rows of x; fp32 accumulation.
+
+    Batch 1 can also fold in the decoder layer's neighbours (one launch instead of two or three):
+    - `norm_weight`: x is the residual stream, and the product is with rmsnorm(x) (eps);
+    - `silu`: x is [gate | up] (2K wide), and the product is with silu(gate) * up;
+    - `residual` ([1, N]): the result is added to it in place, and it is returned.
+    """
     # x: [M, K]; weight: [N, K]; bias: [N] -> [M, N]
     assert x.dim() == 2 and weight.dim() == 2, f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
     m, k = x.shape
     n = weight.shape[0]
+    if silu:
+        assert k % 2 == 0, f"silu: x must be [gate | up], got {tuple(x.shape)}"
+        k //= 2
     assert 1 <= m <= GEMV_MAX_M, f"gemv serves 1 to {GEMV_MAX_M} rows, got {m}"
     assert weight.shape[1] == k, f"x has K={k}, weight {tuple(weight.shape)}"
     assert x.dtype == weight.dtype, f"x {x.dtype}, weight {weight.dtype}"
@@ -104,22 +154,54 @@ def gemv(
     assert x.device == weight.device, f"x on {x.device}, weight on {weight.device}"
     if bias is not None:
         assert bias.shape == (n,) and bias.dtype == x.dtype, f"bias {tuple(bias.shape)}"
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    fused = norm_weight is not None or silu or residual is not None
+    assert m == 1 or not fused, f"norm, silu and residual fusion serve batch 1, got {m} rows"
+    assert norm_weight is None or not silu, "norm_weight and silu do not combine"
+    if norm_weight is not None:
+        assert norm_weight.shape == (k,), f"norm_weight {tuple(norm_weight.shape)}, K={k}"
+        assert norm_weight.dtype == x.dtype, f"norm_weight {norm_weight.dtype}, x {x.dtype}"
+    if residual is not None:
+        assert residual.shape == (1, n), f"residual {tuple(residual.shape)}, expected (1, {n})"
+        assert residual.dtype == x.dtype and residual.stride(1) == 1, "residual dtype/stride"
+        y = residual
+    else:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = config or default_config(n, k)
     if m > 1:
         block_n = max(block_n, 16)  # a tensor-core tile's N
+    use_pdl = pdl.enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight if bias is None else bias, y, n, k,
+        x, weight, weight if bias is None else bias, y,
+        weight if norm_weight is None else norm_weight, n, k, eps,
         x.stride(0), weight.stride(0), y.stride(0),
-        M=m, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        M=m, HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU=silu,
+        RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         M_PAD=max(16, triton.next_power_of_2(m)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages,
+        **pdl.launch_kwargs(x.device),
     )  # fmt: skip
     return y
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """fp32 reference."""
-    y = x.float() @ weight.float().T
-    return y if bias is None else y + bias.float()
+def gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 reference of gemv, fusions included (residual is not modified)."""
+    x = x.float()
+    if norm_weight is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    if silu:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    y = x @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y if residual is None else y + residual.float()

@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lantau.kernels import pdl
+from lantau.kernels.pdl import pdl_wait
+
 
 @triton.jit
 def _write_kv_cache_kernel(
@@ -24,7 +27,9 @@ def _write_kv_cache_kernel(
     value_row_stride,
     ROW_SIZE: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of ROW_SIZE
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     # int64: token * row_stride and slot * ROW_SIZE can pass 2**31 on large batches and caches
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
@@ -79,6 +84,8 @@ def write_kv_cache(
         value.stride(0),
         ROW_SIZE=row_size,
         BLOCK_SIZE=block_size,
+        USE_PDL=pdl.enabled(key.device),
+        **pdl.launch_kwargs(key.device),
         # about 8 elements (16 bytes of fp16) per thread per access
         num_warps=min(max(block_size // 256, 1), 16),
     )

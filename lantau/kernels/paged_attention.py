@@ -36,6 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lantau.kernels import pdl
+from lantau.kernels.pdl import pdl_wait
+
 _LOG2E = math.log2(math.e)
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -232,7 +235,9 @@ def _paged_decode_split_kernel(
     BLOCK_N: tl.constexpr,  # keys per iteration
     USE_SCRATCH: tl.constexpr,  # False when num_splits == 1: normalise straight into out
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not TF32
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -295,7 +300,9 @@ def _paged_decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,  # num_splits padded to a power of 2
     BLOCK_N: tl.constexpr,  # the split kernel's, to recompute split_len
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -494,13 +501,15 @@ def paged_decode_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> None:
     """Attention of one query per request over its whole cached context, into out.
 
     Splits each context into num_splits parts (default_num_splits when None) computed in
     parallel, then merges them. CUDA-graph capturable: scratch size depends on shapes and
     num_splits only, and no value is read back to the host. max_seq_len may be an upper bound
-    (it only chooses num_splits). A request with seq_len 0 (padding) gets zeros.
+    (it only chooses num_splits). A request with seq_len 0 (padding) gets zeros. config:
+    (BLOCK_N, num_warps, num_stages) of the split kernel instead of the default (tuning).
     """
     # q, out: [num_reqs, num_heads, head_dim]
     # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -515,6 +524,7 @@ def paged_decode_attention(
     if num_reqs == 0:
         return
     group = num_heads // num_kv_heads
+    block_n, num_warps, num_stages = config or (_DECODE_BLOCK_N, 4, 3)
     use_scratch = num_splits > 1
     if use_scratch:
         part_out = torch.empty(
@@ -546,11 +556,13 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_H=max(_MIN_BLOCK_M, triton.next_power_of_2(group)),
-        BLOCK_N=_DECODE_BLOCK_N,
+        BLOCK_N=block_n,
         USE_SCRATCH=use_scratch,
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=3,
+        USE_PDL=pdl.enabled(q.device),
+        **pdl.launch_kwargs(q.device),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if use_scratch:
         _paged_decode_merge_kernel[(num_reqs, num_heads)](
@@ -564,7 +576,9 @@ def paged_decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_N=_DECODE_BLOCK_N,
+            BLOCK_N=block_n,
+            USE_PDL=pdl.enabled(q.device),
+            **pdl.launch_kwargs(q.device),
             num_warps=4 if head_dim * num_splits >= 2048 else 1,
         )
 

@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lantau.kernels import pdl
+from lantau.kernels.pdl import pdl_wait
+
 
 @triton.jit
 def _normalize_row(x, weight_ptr, out_ptr, offs, mask, hidden_size, eps):
@@ -34,7 +37,9 @@ def _rms_norm_kernel(
     hidden_size,
     eps,
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
     mask = offs < hidden_size
@@ -53,7 +58,9 @@ def _fused_add_rms_norm_kernel(
     hidden_size,
     eps,
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
     mask = offs < hidden_size
@@ -107,6 +114,8 @@ def rms_norm(
         hidden_size,
         eps,
         BLOCK_SIZE=block_size,
+        USE_PDL=pdl.enabled(x.device),
+        **pdl.launch_kwargs(x.device),
         num_warps=_num_warps(block_size),
     )
     return out
@@ -134,6 +143,8 @@ def fused_add_rms_norm(
         hidden_size,
         eps,
         BLOCK_SIZE=block_size,
+        USE_PDL=pdl.enabled(x.device),
+        **pdl.launch_kwargs(x.device),
         num_warps=_num_warps(block_size),
     )
 

@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lantau.kernels import pdl
+from lantau.kernels.pdl import pdl_wait
+
 
 @triton.jit
 def _cos_sin(cos_sin_cache_ptr, position, HALF_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -77,7 +80,9 @@ def _apply_rotary_kernel(
     BLOCK_HALF: tl.constexpr,  # next power of 2 of HALF_DIM
     BLOCK_Q_HEADS: tl.constexpr,  # next power of 2 of num_heads
     BLOCK_K_HEADS: tl.constexpr,  # next power of 2 of num_kv_heads
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     # int64: token * row_stride passes 2**31 on long prefills of wide models
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
@@ -150,6 +155,8 @@ def apply_rotary(
         BLOCK_HALF=block_half,
         BLOCK_Q_HEADS=block_q_heads,
         BLOCK_K_HEADS=triton.next_power_of_2(num_kv_heads),
+        USE_PDL=pdl.enabled(q.device),
+        **pdl.launch_kwargs(q.device),
         # the q tile (the larger) at about 8 elements per thread, each half a 16-byte fp16 load
         num_warps=min(max(block_q_heads * block_half // 256, 1), 16),
     )
@@ -188,7 +195,9 @@ def _rotary_write_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_Q_HEADS: tl.constexpr,
     BLOCK_K_HEADS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
     _rotate_heads(
@@ -258,5 +267,7 @@ def apply_rotary_and_write_kv(
         BLOCK_HALF=block_half,
         BLOCK_Q_HEADS=block_q_heads,
         BLOCK_K_HEADS=triton.next_power_of_2(num_kv_heads),
+        USE_PDL=pdl.enabled(q.device),
+        **pdl.launch_kwargs(q.device),
         num_warps=min(max(block_q_heads * block_half // 256, 1), 16),
     )  # fmt: skip

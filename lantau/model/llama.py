@@ -62,7 +62,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
         # x: [num_tokens, hidden_size]
-        qkv = ops.linear(x, self.qkv_proj)
+        out = self.attend(ops.linear(x, self.qkv_proj), ctx, ops)
+        return ops.linear(out, self.o_proj)  # [num_tokens, hidden]
+
+    def attend(self, qkv: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
+        """Rotary, KV-cache write and attention of the qkv projection: [num_tokens, q_size]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # strided views into the qkv output
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -71,8 +75,7 @@ class LlamaAttention(nn.Module):
         q = ops.rotary_and_write_kv(
             q, k, v, ctx.positions, ctx.cos_sin_cache, kv_cache, ctx.attn.slot_mapping
         )
-        out = ops.attention(q, kv_cache, ctx.attn, self.scale)
-        return ops.linear(out.reshape(-1, self.q_size), self.o_proj)  # [num_tokens, hidden]
+        return ops.attention(q, kv_cache, ctx.attn, self.scale).reshape(-1, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -107,6 +110,15 @@ class LlamaDecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         return self.mlp(x, ops), residual
+
+    def forward_fused(self, h: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
+        """The same layer on the whole residual stream h, each norm folded into the projection
+        after it and each residual add into the one before it (`ops.fuses`): returns the new h."""
+        attn, mlp = self.self_attn, self.mlp
+        out = attn.attend(ops.norm_linear(h, self.input_layernorm, attn.qkv_proj), ctx, ops)
+        h = ops.linear_add(out, attn.o_proj, h)
+        gate_up = ops.norm_linear(h, self.post_attention_layernorm, mlp.gate_up_proj)
+        return ops.silu_mul_linear_add(gate_up, mlp.down_proj, h)
 
 
 class LlamaModel(nn.Module):
@@ -144,17 +156,22 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(device), max_positions)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        # input_ids: [num_tokens] -> hidden states [num_tokens, hidden_size]
+        """input_ids: [num_tokens] -> the residual stream after the last layer, [num_tokens,
+        hidden_size] (the final norm is compute_logits', on the rows that need logits)."""
         ctx.cos_sin_cache = self.cos_sin_cache
         x = self.model.embed_tokens(input_ids)
+        if self.ops.fuses(x.shape[0]):
+            for layer in self.model.layers:
+                x = layer.forward_fused(x, ctx, self.ops)
+            return x
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx, self.ops)
-        norm = self.model.norm
-        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self.lm_head)  # [num_rows, vocab_size]
+        # [num_rows, vocab_size]
+        return self.ops.norm_linear(hidden, self.model.norm, self.lm_head)
 
     def _shard_slice(self, fused: str, shard: int) -> slice:
         c = self.config

@@ -62,13 +62,34 @@ class TorchOps:
         return F.silu(gate) * up
 
     @staticmethod
+    def fuses(num_rows: int) -> bool:
+        """Whether the model should take the fused single-row path (norm_linear, linear_add,
+        silu_mul_linear_add in place of the add + norm pairs): never, for the reference."""
+        return False
+
+    @classmethod
+    def norm_linear(cls, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
+        """layer(rms_norm(h)), with norm an RMSNorm module."""
+        return cls.linear(cls.rms_norm(h, norm.weight, norm.eps), layer)
+
+    @classmethod
+    def linear_add(cls, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
+        """residual + layer(x): the new residual stream."""
+        return cls.linear(x, layer) + residual
+
+    @classmethod
+    def silu_mul_linear_add(cls, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
+        return cls.linear_add(cls.silu_and_mul(x), layer, residual)
+
+    @staticmethod
     def attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_ref(q, kv_cache, meta, scale)
 
 
 class TritonOps:
     """Fused Triton kernels; decode-only steps take the split-context decode kernel, and
-    batch-1 projections the GEMV kernel (when `use_gemv`)."""
+    batch-1 projections the GEMV kernel (when `use_gemv`), with the norms, SiLU-and-mul and
+    residual adds around them folded in (when `fuse_decode` too)."""
 
     name = "triton"
 
@@ -87,14 +108,38 @@ class TritonOps:
         self.use_gemv = True
         self.gemv_max_m = 1  # see lantau/kernels/gemv.py: faster than cuBLAS at 1 row only
         self.fuse_rope_kv = True
+        # batch 1: the norms, SiLU-and-mul and residual adds folded into the GEMVs (`fuses`)
+        self.fuse_decode = True
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         if self.use_gemv and x.shape[0] <= self.gemv_max_m:
-            config = self.gemv_configs.get(tuple(layer.weight.shape))
-            return self._gemv.gemv(x, layer.weight, layer.bias, config)
+            return self._gemv_linear(x, layer)
         return F.linear(x, layer.weight, layer.bias)
+
+    def _gemv_linear(self, x, layer: torch.nn.Linear, **fusions) -> torch.Tensor:
+        config = self.gemv_configs.get(tuple(layer.weight.shape))
+        return self._gemv.gemv(x, layer.weight, layer.bias, config, **fusions)
+
+    def fuses(self, num_rows: int) -> bool:
+        return self.use_gemv and self.fuse_decode and num_rows == 1
+
+    def norm_linear(self, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
+        if self.fuses(h.shape[0]):
+            return self._gemv_linear(h, layer, norm_weight=norm.weight, eps=norm.eps)
+        return self.linear(self.rms_norm(h, norm.weight, norm.eps), layer)
+
+    def linear_add(self, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
+        """In place on residual when fused (one row); a new tensor otherwise."""
+        if self.fuses(x.shape[0]):
+            return self._gemv_linear(x, layer, residual=residual)
+        return self.linear(x, layer) + residual
+
+    def silu_mul_linear_add(self, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
+        if self.fuses(x.shape[0]):
+            return self._gemv_linear(x, layer, silu=True, residual=residual)
+        return self.linear_add(self.silu_and_mul(x), layer, residual)
 
     def rms_norm(self, x, weight, eps) -> torch.Tensor:
         return self._norm.rms_norm(x, weight, eps)
