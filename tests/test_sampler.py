@@ -40,8 +40,10 @@ def test_greedy_is_argmax() -> None:
 
 def test_greedy_accepts_half_precision_logits() -> None:
     logits = torch.randn(3, 40, generator=seeded(1)).to(torch.bfloat16)
+    logits[1, 7] = logits[1, 30] = logits[1].max() + 1  # a tie: the first index wins
     out = Sampler()(logits, [make_row(temperature=0.0) for _ in range(3)])
     assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+    assert out.token_ids[1] == 7
 
 
 def test_greedy_rows_mixed_with_sampled_rows() -> None:

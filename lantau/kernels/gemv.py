@@ -24,9 +24,8 @@ GEMV_MAX_M = 8
 
 
 @triton.jit
-def _x_chunk(x_ptr, nw_ptr, k, offs_k, K, NORM: tl.constexpr, SILU: tl.constexpr):
+def _x_chunk(x_ptr, nw_ptr, k, offs_k, k_mask, K, NORM: tl.constexpr, SILU: tl.constexpr):
     """x[k : k + BLOCK_K] in fp32 as the product sees it, and its squares (for NORM)."""
-    k_mask = (k + offs_k) < K
     x = tl.load(x_ptr + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     sq = x * x
     if NORM:  # x is the residual stream; the norm's weight now, its 1/rms at the end
@@ -34,7 +33,7 @@ def _x_chunk(x_ptr, nw_ptr, k, offs_k, K, NORM: tl.constexpr, SILU: tl.constexpr
     if SILU:  # x is [gate | up], 2K wide
         up = tl.load(x_ptr + K + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         x = x * tl.sigmoid(x) * up
-    return x, sq, k_mask
+    return x, sq
 
 
 @triton.jit
@@ -67,16 +66,16 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     if M == 1:
-        # the first weight tile is read while the previous kernel finishes (weights are never
-        # written); x comes after the wait
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :])
         pdl_wait(USE_PDL)
-        x, sq, _ = _x_chunk(x_ptr, nw_ptr, 0, offs_k, K, NORM, SILU)
-        # a 2-D accumulator, reduced once at the end: no cross-thread sum per chunk
-        acc = w.to(tl.float32) * x[None, :]
-        for k in range(BLOCK_K, K, BLOCK_K):
-            x, sq_k, k_mask = _x_chunk(x_ptr, nw_ptr, k, offs_k, K, NORM, SILU)
+        # a 2-D accumulator, reduced once at the end: no cross-thread sum per chunk. NOTE: the
+        # loop as written pipelines best; peeling the first weight tile out of it, to read it
+        # before pdl_wait, cost 10-20% on the H200 (runs/2026-12-03-gpu_gemv-sweep-peeled.log)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        sq = tl.zeros([BLOCK_K], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_mask = (k + offs_k) < K
             w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :])
+            x, sq_k = _x_chunk(x_ptr, nw_ptr, k, offs_k, k_mask, K, NORM, SILU)
             acc += w.to(tl.float32) * x[None, :]
             if NORM:
                 sq += sq_k

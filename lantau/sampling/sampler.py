@@ -253,15 +253,17 @@ class Sampler:
         # logits: [num_rows, vocab_size], any float dtype
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per row"
         device = logits.device
-        penalized = apply_penalties(logits, rows)  # [num_rows, vocab_size] float32
-
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if not sampled:
-            token_ids = penalized.argmax(dim=-1)  # [num_rows]
+        if not sampled and not any(uses_penalties(r.params) for r in rows):
+            # argmax of the logits as they are: a float32 copy orders (and ties) the same
+            token_ids = logits.argmax(dim=-1)  # [num_rows]
+        elif not sampled:
+            token_ids = apply_penalties(logits, rows).argmax(dim=-1)
         elif not greedy:
-            token_ids = self._sample(penalized, rows)
+            token_ids = self._sample(apply_penalties(logits, rows), rows)
         else:
+            penalized = apply_penalties(logits, rows)  # [num_rows, vocab_size] float32
             token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
             g_idx = to_device(greedy, device, torch.int64)
             token_ids[g_idx] = penalized[g_idx].argmax(dim=-1)
