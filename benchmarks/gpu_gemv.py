@@ -5,9 +5,9 @@
    each checked against an fp32 reference; the best per shape is kept.
    With programmatic dependent launch (PDL) and without.
 2. An engine (random:llama3-8b, bf16) with those tiles: the batch-1 decode graph at 384 keys and
-   W2 with each piece of the batch-1 path turned off in turn (GEMV kernel vs cuBLAS, fused
-   rope + KV write, norms / SiLU / residual adds folded into the GEMVs, PDL), graphs
-   recaptured each time, same engine, same run, tokens and logits checked against the first.
+   W2 with each piece of the batch-1 path turned off in turn (norms / SiLU / residual adds
+   folded into the GEMVs, PDL, the decode attention's in-launch merge), graphs recaptured each
+   time, same engine, same run, tokens and logits checked against the first.
 3. Optionally W3-1000 (--w3 N prompts) on the same engine (max_num_seqs from --max-num-seqs).
 
     PYTHONPATH=. python3 benchmarks/gpu_gemv.py [--sweep] [--w3 1000] [--max-num-seqs 512]
@@ -123,22 +123,24 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         ops.gemv_configs.update(best_configs)
     w2 = make_workload("W2", 128256)
     parity: dict = {}
-    # (GEMV kernel, fused rope + KV write, norms/SiLU/residual folded into the GEMVs, PDL):
-    # today's path first (the parity reference), then each piece off, then today's again
+    # today's path first (the parity reference), then each piece off in turn, the previous
+    # session's path (GEMV, fused rope + KV write only), and today's again
+    flags = ("use_gemv", "fuse_rope_kv", "fuse_decode", "fuse_attn_merge", "pdl")
+    today = dict.fromkeys(flags, True)
     variants = [
-        (True, True, True, True),
-        (True, True, False, True),
-        (True, True, True, False),
-        (True, True, False, False),  # the previous session's path
-        (True, True, True, True),
+        today,
+        {**today, "fuse_decode": False},
+        {**today, "pdl": False},
+        {**today, "fuse_attn_merge": False},
+        {**today, "fuse_decode": False, "fuse_attn_merge": False, "pdl": False},
+        today,
     ]
-    for use, fuse, fuse_decode, use_pdl in variants:
-        key = (
-            f"W2-{'gemv' if use else 'cublas'}-{'rope_kv' if fuse else 'rope+kv'}"
-            f"-{'fold' if fuse_decode else 'nofold'}-{'pdl' if use_pdl else 'nopdl'}"
-        )
-        ops.use_gemv, ops.fuse_rope_kv, ops.fuse_decode = use, fuse, fuse_decode
-        pdl.set_enabled(use_pdl)
+    for variant in variants:
+        off = [f for f in flags if not variant[f]]
+        key = "W2-" + ("all-on" if not off else "without-" + "-".join(off))
+        for flag in flags[:-1]:
+            setattr(ops, flag, variant[flag])
+        pdl.set_enabled(variant["pdl"])
         try:
             core.runner.capture_cuda_graphs()
         except Exception as e:  # e.g. PDL launches that graph capture refuses

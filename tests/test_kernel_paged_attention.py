@@ -124,7 +124,7 @@ def run_unified(b: dict) -> torch.Tensor:
     return out
 
 
-def run_decode(b: dict, num_splits: int | None) -> torch.Tensor:
+def run_decode(b: dict, num_splits: int | None, merge_kernel: bool = False) -> torch.Tensor:
     out = torch.full_like(b["q"], float("nan"))
     pa.paged_decode_attention(
         b["q"],
@@ -135,7 +135,10 @@ def run_decode(b: dict, num_splits: int | None) -> torch.Tensor:
         b["max_seq_len"],
         b["scale"],
         num_splits=num_splits,
+        merge_kernel=merge_kernel,
     )
+    # the in-launch merge leaves its counters zeroed for the next launch (and graph replay)
+    assert not pa._counters or not pa._counters[b["q"].device].any()
     return out
 
 
@@ -198,6 +201,9 @@ def test_paged_decode_attention_splits_agree(dtype, num_heads, num_kv_heads, hea
     )
     assert_matches(ref, engine_ref(b), torch.float32)
     outs = {n: run_decode(b, n) for n in (None, 1, 2, 3, 4)}
+    # the merge as a second launch: the same sums in the same order
+    for n in (2, 4):
+        torch.testing.assert_close(run_decode(b, n, merge_kernel=True), outs[n], rtol=0, atol=0)
     for out in outs.values():
         assert_matches(out, ref, dtype)
     if dtype == torch.float32:  # splitting changes only the order of fp32 sums
@@ -224,8 +230,8 @@ def test_empty_context_writes_zeros():
         b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
     )
     assert ref[1].eq(0).all()
-    for num_splits in (1, 4):
-        out = run_decode(b, num_splits)
+    for num_splits, merge_kernel in ((1, False), (4, False), (4, True)):
+        out = run_decode(b, num_splits, merge_kernel)
         assert out[1].eq(0).all()
         assert_matches(out, ref, torch.float32)
 

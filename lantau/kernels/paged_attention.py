@@ -217,9 +217,11 @@ def _paged_decode_split_kernel(
     out_ptr,  # [num_reqs, num_heads, HEAD_DIM], written when not USE_SCRATCH
     part_out_ptr,  # [num_reqs, num_heads, num_splits, HEAD_DIM] fp32, when USE_SCRATCH
     part_lse_ptr,  # [num_reqs, num_heads, num_splits] fp32 (log2 domain), when USE_SCRATCH
+    counters_ptr,  # [>= num_reqs * num_kv_heads] int32, zero between launches, when MERGE
     seq_lens_ptr,  # [num_reqs] int32
     block_tables_ptr,  # [num_reqs, max_blocks] int32
     num_heads,
+    num_kv_heads,
     num_splits,
     scale_log2,  # softmax scale * log2(e)
     stride_q_req,
@@ -237,6 +239,7 @@ def _paged_decode_split_kernel(
     BLOCK_H: tl.constexpr,  # GROUP padded to a tensor-core tile
     BLOCK_N: tl.constexpr,  # keys per iteration
     USE_SCRATCH: tl.constexpr,  # False when num_splits == 1: normalise straight into out
+    MERGE: tl.constexpr,  # USE_SCRATCH: the last split of a (request, kv head) merges them
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not TF32
     USE_PDL: tl.constexpr,
 ):
@@ -248,13 +251,18 @@ def _paged_decode_split_kernel(
     split_len = _split_len(seq_len, num_splits, BLOCK_N)
     key_start = split * split_len
     key_end = tl.minimum(key_start + split_len, seq_len)
-    if USE_SCRATCH and key_start >= key_end:
-        return  # empty split: the merge kernel skips it, knowing split_len too
-
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     head = kv_head * GROUP + offs_h  # [BLOCK_H]
     head_mask = offs_h < GROUP
+    o_offs = req.to(tl.int64) * stride_out_req + head[:, None] * stride_out_head + offs_d[None, :]
+    if USE_SCRATCH and key_start >= key_end:
+        # empty split: the merge skips it, knowing split_len too; with no key at all
+        # (seq_len 0, padding) split 0 writes the zeros
+        if MERGE and seq_len == 0 and split == 0:
+            zeros = tl.zeros([BLOCK_H, HEAD_DIM], out_ptr.dtype.element_ty)
+            tl.store(out_ptr + o_offs, zeros, mask=head_mask[:, None])
+        return
     q_offs = req.to(tl.int64) * stride_q_req + head[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
 
@@ -284,10 +292,48 @@ def _paged_decode_split_kernel(
         row = (req * num_heads + head).to(tl.int64) * num_splits + split  # [BLOCK_H]
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, head_mask[:, None])
         tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
+        if MERGE:
+            # every thread's partial is stored before the count (release); the program that
+            # counts last sees all of them (acquire), merges, and zeroes the counter again
+            tl.debug_barrier()
+            counter = counters_ptr + req * num_kv_heads + kv_head
+            num_filled = tl.cdiv(seq_len, split_len)
+            if tl.atomic_add(counter, 1, sem="acq_rel") == num_filled - 1:
+                tl.atomic_xchg(counter, 0)
+                merged = _merge_splits(
+                    part_out_ptr, part_lse_ptr, req * num_heads + head, head_mask, num_splits,
+                    num_filled, BLOCK_H, HEAD_DIM,
+                )  # fmt: skip
+                tl.store(out_ptr + o_offs, merged.to(out_ptr.dtype.element_ty), head_mask[:, None])
     else:
-        o_offs = req.to(tl.int64) * stride_out_req + head[:, None] * stride_out_head
-        o_ptrs = out_ptr + o_offs + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+
+
+@triton.jit
+def _merge_splits(
+    part_out_ptr, part_lse_ptr, rows, row_mask, num_splits, num_filled,
+    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Softmax-weighted sum of the first num_filled split partials of `rows` (query heads):
+    [BLOCK_H, HEAD_DIM] fp32. Loads skip L1, which other SMs' stores do not update."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for s in range(0, num_filled):
+        row = rows.to(tl.int64) * num_splits + s
+        lse = tl.load(part_lse_ptr + row, mask=row_mask, other=0.0, cache_modifier=".cg")
+        part = tl.load(
+            part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=row_mask[:, None],
+            other=0.0, cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        total = total * alpha + weight
+        m = m_new
+    return acc / total[:, None]
 
 
 @triton.jit
@@ -478,6 +524,19 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_MAX_COUNTERS = 1 << 20  # (request, kv head) pairs of one decode launch
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The split kernel's merge counters: one zeroed buffer per device, allocated once (CUDA
+    graphs keep its address) and left zeroed by every launch."""
+    assert n <= _MAX_COUNTERS, f"{n} (request, kv head) pairs in one launch"
+    if device not in _counters:
+        _counters[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
 def default_num_splits(
     num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
@@ -505,12 +564,15 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
+    merge_kernel: bool = False,
 ) -> None:
     """Attention of one query per request over its whole cached context, into out.
 
     Splits each context into num_splits parts (default_num_splits when None) computed in
-    parallel, then merges them. CUDA-graph capturable: scratch size depends on shapes and
-    num_splits only, and no value is read back to the host. max_seq_len may be an upper bound
+    parallel, then merges them: in the same launch, the last split of each (request, kv head)
+    to finish merging them all (a second launch when merge_kernel, for comparisons).
+    CUDA-graph capturable: scratch size depends on shapes and num_splits only, and no value is
+    read back to the host. max_seq_len may be an upper bound
     (it only chooses num_splits). A request with seq_len 0 (padding) gets zeros. config:
     (BLOCK_N, num_warps, num_stages) of the split kernel instead of the default (tuning).
     """
@@ -538,15 +600,19 @@ def paged_decode_attention(
         )
     else:  # unused: the split kernel writes out directly
         part_out = part_lse = out
+    merge = use_scratch and not merge_kernel
+    counters = _merge_counters(q.device, num_reqs * num_kv_heads) if merge else seq_lens
     _paged_decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q,
         kv_cache,
         out,
         part_out,
         part_lse,
+        counters,
         seq_lens,
         block_tables,
         num_heads,
+        num_kv_heads,
         num_splits,
         scale * _LOG2E,
         q.stride(0),
@@ -561,13 +627,14 @@ def paged_decode_attention(
         BLOCK_H=max(_MIN_BLOCK_M, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         USE_SCRATCH=use_scratch,
+        MERGE=merge,
         DOT_PRECISION=_dot_precision(q.dtype),
         USE_PDL=pdl.enabled(q.device),
         **pdl.launch_kwargs(q.device),
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if use_scratch:
+    if use_scratch and not merge:
         _paged_decode_merge_kernel[(num_reqs, num_heads)](
             part_out,
             part_lse,

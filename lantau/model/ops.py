@@ -110,6 +110,8 @@ class TritonOps:
         self.fuse_rope_kv = True
         # batch 1: the norms, SiLU-and-mul and residual adds folded into the GEMVs (`fuses`)
         self.fuse_decode = True
+        # split decode attention merges in its own launch (else a second kernel)
+        self.fuse_attn_merge = True
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
@@ -167,8 +169,9 @@ class TritonOps:
         out = torch.empty_like(q)
         if meta.is_decode_only:
             self._attn.paged_decode_attention(
-                q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale
-            )
+                q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
+                merge_kernel=not self.fuse_attn_merge,
+            )  # fmt: skip
         else:
             self._attn.unified_attention(
                 q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
