@@ -154,6 +154,7 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         graph_1 = replay_ms(graphs.graphs[1][0])
         # correctness in the engine: greedy tokens and last logits against the first variant
         check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
+        llm.reset_prefix_cache()  # the prompt computed afresh, as in the first variant
         out = llm.generate({"prompt_token_ids": w2.prompts[0]}, check)[0].outputs[0].token_ids
         last = next(iter(core.runner.last_logits.values())).float().clone()
         ref_tokens, ref_last = parity.setdefault("ref", (out, last))

@@ -229,7 +229,8 @@ def e2e_parity() -> None:
         )
 
     runs = {}
-    variants = [("torch", True), ("triton", True), ("triton", False)]
+    # triton-bs1: one prompt at a time, so decode steps take the fused batch-1 GEMV path
+    variants = [("torch", True), ("triton", True), ("triton", False), ("triton-bs1", False)]
     if os.environ.get("PARITY_FP32"):  # which of the bf16 runs is nearer fp32 truth?
         variants = [("torch", True), ("triton", True), ("torch-fp32", True)]
     if not torch.cuda.is_available():  # a CPU dry run of this stage's logic
@@ -238,7 +239,7 @@ def e2e_parity() -> None:
         llm = LLM(
             os.environ.get("PARITY_MODEL", "random:llama3-8b"),
             dtype="float32" if backend.endswith("fp32") else "auto",
-            attention_backend=backend.removesuffix("-fp32"),
+            attention_backend=backend.removesuffix("-fp32").removesuffix("-bs1"),
             enforce_eager=eager,
             num_kv_blocks=2048,
             max_model_len=4096,
@@ -246,11 +247,19 @@ def e2e_parity() -> None:
             max_num_seqs=16,
         )
         runner = llm.engine.core.runner
-        first = llm.generate(prompts, params(1))
-        prefill = {k: v.float().clone() for k, v in runner.last_logits.items()}
-        two = llm.generate(prompts, params(2))
-        decode = {k: v.float().clone() for k, v in runner.last_logits.items()}
-        full = llm.generate(prompts, params(32))
+        one_at_a_time = backend.endswith("-bs1")
+
+        def generate(n, llm=llm, runner=runner, one=one_at_a_time):
+            """(outputs, last logits of each request)"""
+            outputs, logits = [], {}
+            for batch in [[p] for p in prompts] if one else [prompts]:
+                outputs += llm.generate(batch, params(n))
+                logits.update({k: v.float().clone() for k, v in runner.last_logits.items()})
+            return outputs, logits
+
+        first, prefill = generate(1)
+        two, decode = generate(2)
+        full, _ = generate(32)
         runs[f"{backend}{'' if eager else '+graphs'}"] = (first, prefill, two, decode, full)
         del llm, runner
         gc.collect()

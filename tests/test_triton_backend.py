@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from lantau import LLM, SamplingParams
 
 
@@ -31,9 +33,13 @@ def test_triton_backend_matches_torch(tiny_llama_dir):
         assert (results["triton"][1][key] - ref).abs().max().item() < 1e-4
 
 
-def test_triton_backend_small_batches_take_the_gemv_kernel(tiny_llama_dir, monkeypatch):
-    """Batch-1 steps run every projection through the GEMV kernel, the norms, SiLU-and-mul and
-    residual adds folded into it, with the torch backend's tokens and logits."""
+@pytest.mark.parametrize("fuse_decode", [False, True])
+def test_triton_backend_small_batches_take_the_gemv_kernel(
+    tiny_llama_dir, monkeypatch, fuse_decode
+):
+    """Batch-1 steps run every projection through the GEMV kernel (with fuse_decode, the
+    norms, SiLU-and-mul and residual adds folded into it), with the torch backend's tokens
+    and logits."""
     from lantau.kernels import gemv
 
     calls = []
@@ -52,6 +58,7 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(tiny_llama_dir, monke
             str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
             attention_backend=backend,
         )  # fmt: skip
+        llm.engine.core.runner.model.ops.fuse_decode = fuse_decode  # the torch ops ignore it
         tokens, logits = [], []
         for n in (1, 3):  # one request alone, then three together
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params)
@@ -60,7 +67,10 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(tiny_llama_dir, monke
         results[backend] = (tokens, logits)
     assert calls and {c[0] for c in calls} == {1}  # batch 1 only (ops.gemv_max_m)
     fusions = {c[1:] for c in calls}  # per layer: qkv and gate_up after a norm, o and down
-    assert fusions == {("eps", "norm_weight"), ("residual",), ("residual", "silu")}
+    if fuse_decode:
+        assert fusions == {("eps", "norm_weight"), ("residual",), ("residual", "silu")}
+    else:
+        assert fusions == {()}
     assert results["triton"][0] == results["torch"][0]
     for ref_step, out_step in zip(results["torch"][1], results["triton"][1], strict=True):
         for key, ref in ref_step.items():

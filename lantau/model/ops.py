@@ -108,8 +108,11 @@ class TritonOps:
         self.use_gemv = True
         self.gemv_max_m = 1  # see lantau/kernels/gemv.py: faster than cuBLAS at 1 row only
         self.fuse_rope_kv = True
-        # batch 1: the norms, SiLU-and-mul and residual adds folded into the GEMVs (`fuses`)
-        self.fuse_decode = True
+        # batch 1: the norms, SiLU-and-mul and residual adds folded into the GEMVs (`fuses`).
+        # NOTE: off: slower on the H200 (W2 decode graph 4.419 vs 4.229 ms, same run,
+        # runs/2026-12-03-gpu_gemv-w2-fusions.log): each of a GEMV's many programs re-reads
+        # the whole input vector from L2, and the folded norm doubles that traffic
+        self.fuse_decode = False
         # split decode attention merges in its own launch (else a second kernel)
         self.fuse_attn_merge = True
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
