@@ -34,6 +34,7 @@ CONFIGS = [  # (BLOCK_N, num_warps, num_stages); the first is today's default
     (64, 8, 3),
 ]
 SPLITS = (1, 2, 4, 8)
+HEADS_FIRST = False  # --heads-first: grid (kv heads, requests, splits)
 
 
 def shapes(small: bool) -> dict[str, list[int]]:
@@ -49,12 +50,13 @@ def shapes(small: bool) -> dict[str, list[int]]:
     }
 
 
-def make(seq_lens: list[int], seed: int = 0):
+def make(seq_lens: list[int], seed: int = 0, shuffle: bool = True):
     gen = torch.Generator(DEVICE).manual_seed(seed)
     blocks_per = [-(-s // BLOCK) for s in seq_lens]
     num_blocks = sum(blocks_per) + 1
     ids = list(range(1, num_blocks))
-    random.Random(seed).shuffle(ids)
+    if shuffle:  # scattered, as blocks come to long-running requests; else in order per row
+        random.Random(seed).shuffle(ids)
     table = torch.zeros(len(seq_lens), 4096 // BLOCK, dtype=torch.int32)  # max_seq_len 4096
     pos = 0
     for i, nb in enumerate(blocks_per):
@@ -64,6 +66,35 @@ def make(seq_lens: list[int], seed: int = 0):
     q = torch.randn(len(seq_lens), HEADS, DIM, generator=gen, device=DEVICE).to(DTYPE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     return q, kv, lens, table.to(DEVICE)
+
+
+def grid_order() -> None:
+    """--grid-order: the W3-1000 decode shape (longest first, default tiling, 1 split) with the
+    cache blocks scattered or in order per request, and the grid request-major or heads first."""
+    small = DEVICE == "cpu"
+    lens = shapes(small)["same, longest first"]
+    nbytes = sum(lens) * KV_HEADS * DIM * 2 * DTYPE.itemsize
+    rows = []
+    for shuffle in (True, False):
+        q, kv, lens_t, blocks = make(lens, shuffle=shuffle)
+        out = torch.empty_like(q)
+        ref = pa.paged_decode_attention_ref(q, kv, lens_t, blocks, DIM**-0.5)
+        for heads_first in (False, True, False):
+
+            def run(args=(q, kv, out, lens_t, blocks), heads_first=heads_first):
+                pa.paged_decode_attention(*args, 4096, DIM**-0.5, 1, heads_first=heads_first)
+
+            run()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            ms = graph_ms(run) if not small else float("nan")
+            rows.append(
+                f"| blocks {'scattered' if shuffle else 'in order'}, "
+                f"{'heads first' if heads_first else 'request-major'} | {ms * 1e3:.1f} us | "
+                f"{nbytes / ms / 1e9:.2f} TB/s, err {err:.1e} |"
+            )
+            print(rows[-1], flush=True)
+    print("\n| W3-1000 decode, 384 rows | time | KV read |")
+    print("\n".join(rows))
 
 
 def main() -> None:
@@ -83,7 +114,9 @@ def main() -> None:
                 key = f"splits {num_splits} {cfg}"
 
                 def run(args=(q, kv, out, lens, blocks), num_splits=num_splits, cfg=cfg):
-                    pa.paged_decode_attention(*args, 4096, DIM**-0.5, num_splits, cfg)
+                    pa.paged_decode_attention(
+                        *args, 4096, DIM**-0.5, num_splits, cfg, heads_first=HEADS_FIRST
+                    )
 
                 try:
                     run()
@@ -112,4 +145,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    grid_order() if "--grid-order" in sys.argv else main()

@@ -124,7 +124,9 @@ def run_unified(b: dict) -> torch.Tensor:
     return out
 
 
-def run_decode(b: dict, num_splits: int | None, merge_kernel: bool = False) -> torch.Tensor:
+def run_decode(
+    b: dict, num_splits: int | None, merge_kernel: bool = False, heads_first: bool = False
+) -> torch.Tensor:
     out = torch.full_like(b["q"], float("nan"))
     pa.paged_decode_attention(
         b["q"],
@@ -136,6 +138,7 @@ def run_decode(b: dict, num_splits: int | None, merge_kernel: bool = False) -> t
         b["scale"],
         num_splits=num_splits,
         merge_kernel=merge_kernel,
+        heads_first=heads_first,
     )
     # the in-launch merge leaves its counters zeroed for the next launch (and graph replay)
     assert not pa._counters or not pa._counters[b["q"].device].any()
@@ -204,6 +207,9 @@ def test_paged_decode_attention_splits_agree(dtype, num_heads, num_kv_heads, hea
     # the merge as a second launch: the same sums in the same order
     for n in (2, 4):
         torch.testing.assert_close(run_decode(b, n, merge_kernel=True), outs[n], rtol=0, atol=0)
+    # the grid in another order: the same programs
+    for n in (1, 4):
+        torch.testing.assert_close(run_decode(b, n, heads_first=True), outs[n], rtol=0, atol=0)
     for out in outs.values():
         assert_matches(out, ref, dtype)
     if dtype == torch.float32:  # splitting changes only the order of fp32 sums

@@ -240,12 +240,17 @@ def _paged_decode_split_kernel(
     BLOCK_N: tl.constexpr,  # keys per iteration
     USE_SCRATCH: tl.constexpr,  # False when num_splits == 1: normalise straight into out
     MERGE: tl.constexpr,  # USE_SCRATCH: the last split of a (request, kv head) merges them
+    HEADS_FIRST: tl.constexpr,  # grid (kv heads, requests, splits) instead of (requests, ...)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not TF32
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # a request's kv heads launch together and read its cache blocks together
+        kv_head = tl.program_id(0)
+        req = tl.program_id(1)
+    else:
+        req = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     split_len = _split_len(seq_len, num_splits, BLOCK_N)
@@ -565,6 +570,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
     merge_kernel: bool = False,
+    heads_first: bool = False,
 ) -> None:
     """Attention of one query per request over its whole cached context, into out.
 
@@ -575,6 +581,8 @@ def paged_decode_attention(
     read back to the host. max_seq_len may be an upper bound
     (it only chooses num_splits). A request with seq_len 0 (padding) gets zeros. config:
     (BLOCK_N, num_warps, num_stages) of the split kernel instead of the default (tuning).
+    heads_first: launch a request's kv heads next to each other (a block of the cache holds
+    all its heads' keys, so they read the same DRAM pages); under measurement.
     """
     # q, out: [num_reqs, num_heads, head_dim]
     # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -602,7 +610,8 @@ def paged_decode_attention(
         part_out = part_lse = out
     merge = use_scratch and not merge_kernel
     counters = _merge_counters(q.device, num_reqs * num_kv_heads) if merge else seq_lens
-    _paged_decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_reqs) if heads_first else (num_reqs, num_kv_heads)
+    _paged_decode_split_kernel[(*grid, num_splits)](
         q,
         kv_cache,
         out,
@@ -628,6 +637,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         USE_SCRATCH=use_scratch,
         MERGE=merge,
+        HEADS_FIRST=heads_first,
         DOT_PRECISION=_dot_precision(q.dtype),
         USE_PDL=pdl.enabled(q.device),
         **pdl.launch_kwargs(q.device),
