@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 
 import torch
 
@@ -145,6 +146,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
-    grid_order() if "--grid-order" in sys.argv else main()
+    if "--grid-order" in sys.argv:
+        grid_order()
+    else:
+        main()

@@ -62,8 +62,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         out.stride(0),
         d,
         BLOCK_SIZE=block_size,
-        USE_PDL=pdl.enabled(x.device),
-        **pdl.launch_kwargs(x.device),
+        **pdl.launch_options(x.device),
         # about 8 elements per thread: 16-byte fp16 loads
         num_warps=min(max(block_size // 256, 1), 16),
     )

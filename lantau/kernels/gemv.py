@@ -168,7 +168,6 @@ def gemv(
     block_n, block_k, num_warps, num_stages = config or default_config(n, k)
     if m > 1:
         block_n = max(block_n, 16)  # a tensor-core tile's N
-    use_pdl = pdl.enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias, y,
         weight if norm_weight is None else norm_weight, n, k, eps,
@@ -177,8 +176,7 @@ def gemv(
         RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         M_PAD=max(16, triton.next_power_of_2(m)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages,
-        **pdl.launch_kwargs(x.device),
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device),
     )  # fmt: skip
     return y
 

@@ -84,8 +84,7 @@ def write_kv_cache(
         value.stride(0),
         ROW_SIZE=row_size,
         BLOCK_SIZE=block_size,
-        USE_PDL=pdl.enabled(key.device),
-        **pdl.launch_kwargs(key.device),
+        **pdl.launch_options(key.device),
         # about 8 elements (16 bytes of fp16) per thread per access
         num_warps=min(max(block_size // 256, 1), 16),
     )

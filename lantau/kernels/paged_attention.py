@@ -639,8 +639,7 @@ def paged_decode_attention(
         MERGE=merge,
         HEADS_FIRST=heads_first,
         DOT_PRECISION=_dot_precision(q.dtype),
-        USE_PDL=pdl.enabled(q.device),
-        **pdl.launch_kwargs(q.device),
+        **pdl.launch_options(q.device),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -657,8 +656,7 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_N=block_n,
-            USE_PDL=pdl.enabled(q.device),
-            **pdl.launch_kwargs(q.device),
+            **pdl.launch_options(q.device),
             num_warps=4 if head_dim * num_splits >= 2048 else 1,
         )
 

@@ -42,9 +42,12 @@ def _supported(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def launch_kwargs(device: torch.device) -> dict:
-    """Extra kwargs for a kernel launch: PDL when `enabled`; pass USE_PDL=enabled(device) too."""
-    return {"launch_pdl": True} if enabled(device) else {}
+def launch_options(device: torch.device) -> dict:
+    """Kwargs for launching a kernel that takes USE_PDL: the constexpr, and the launch flag when
+    on (left out when off, as the interpreter takes no such flag)."""
+    if enabled(device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
 
 
 @triton.jit

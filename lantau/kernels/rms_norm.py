@@ -114,8 +114,7 @@ def rms_norm(
         hidden_size,
         eps,
         BLOCK_SIZE=block_size,
-        USE_PDL=pdl.enabled(x.device),
-        **pdl.launch_kwargs(x.device),
+        **pdl.launch_options(x.device),
         num_warps=_num_warps(block_size),
     )
     return out
@@ -143,8 +142,7 @@ def fused_add_rms_norm(
         hidden_size,
         eps,
         BLOCK_SIZE=block_size,
-        USE_PDL=pdl.enabled(x.device),
-        **pdl.launch_kwargs(x.device),
+        **pdl.launch_options(x.device),
         num_warps=_num_warps(block_size),
     )
 

@@ -108,6 +108,22 @@ def _apply_rotary_kernel(
     )
 
 
+def _launch_options(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """Tile sizes and launch options both rotary kernels take, from q's and k's shapes."""
+    num_heads, head_dim = q.shape[1:]
+    block_half = triton.next_power_of_2(head_dim // 2)
+    block_q_heads = triton.next_power_of_2(num_heads)
+    return dict(
+        HALF_DIM=head_dim // 2,
+        BLOCK_HALF=block_half,
+        BLOCK_Q_HEADS=block_q_heads,
+        BLOCK_K_HEADS=triton.next_power_of_2(k.shape[1]),
+        # the q tile (the larger) at about 8 elements per thread, each half a 16-byte fp16 load
+        num_warps=min(max(block_q_heads * block_half // 256, 1), 16),
+        **pdl.launch_options(q.device),
+    )
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
@@ -137,9 +153,6 @@ def apply_rotary(
     assert positions.is_contiguous() and cos_sin_cache.is_contiguous()
     if num_tokens == 0:
         return
-    num_kv_heads = k.shape[1]
-    block_half = triton.next_power_of_2(head_dim // 2)
-    block_q_heads = triton.next_power_of_2(num_heads)
     _apply_rotary_kernel[(num_tokens,)](
         q,
         k,
@@ -150,15 +163,8 @@ def apply_rotary(
         k.stride(0),
         k.stride(1),
         num_heads,
-        num_kv_heads,
-        HALF_DIM=head_dim // 2,
-        BLOCK_HALF=block_half,
-        BLOCK_Q_HEADS=block_q_heads,
-        BLOCK_K_HEADS=triton.next_power_of_2(num_kv_heads),
-        USE_PDL=pdl.enabled(q.device),
-        **pdl.launch_kwargs(q.device),
-        # the q tile (the larger) at about 8 elements per thread, each half a 16-byte fp16 load
-        num_warps=min(max(block_q_heads * block_half // 256, 1), 16),
+        k.shape[1],
+        **_launch_options(q, k),
     )
 
 
@@ -256,18 +262,8 @@ def apply_rotary_and_write_kv(
     assert positions.is_contiguous() and slot_mapping.is_contiguous()
     if num_tokens == 0:
         return
-    num_kv_heads = k.shape[1]
-    block_half = triton.next_power_of_2(head_dim // 2)
-    block_q_heads = triton.next_power_of_2(num_heads)
     _rotary_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, kv_cache[0], kv_cache[1], slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        num_heads, num_kv_heads,
-        HALF_DIM=head_dim // 2,
-        BLOCK_HALF=block_half,
-        BLOCK_Q_HEADS=block_q_heads,
-        BLOCK_K_HEADS=triton.next_power_of_2(num_kv_heads),
-        USE_PDL=pdl.enabled(q.device),
-        **pdl.launch_kwargs(q.device),
-        num_warps=min(max(block_q_heads * block_half // 256, 1), 16),
+        num_heads, k.shape[1], **_launch_options(q, k),
     )  # fmt: skip

@@ -18,7 +18,28 @@ def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Ten
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-class TorchOps:
+class _Compositions:
+    """The model's composite ops, as both backends run them unfused; TritonOps runs them as one
+    GEMV launch each at one row (`fuses`)."""
+
+    def fuses(self, num_rows: int) -> bool:
+        """Whether the model should take the fused single-row path (norm_linear, linear_add,
+        silu_mul_linear_add in place of the add + norm pairs)."""
+        return False
+
+    def norm_linear(self, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
+        """layer(rms_norm(h)), with norm an RMSNorm module."""
+        return self.linear(self.rms_norm(h, norm.weight, norm.eps), layer)
+
+    def linear_add(self, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
+        """residual + layer(x): the new residual stream (in place on it when fused)."""
+        return self.linear(x, layer) + residual
+
+    def silu_mul_linear_add(self, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
+        return self.linear_add(self.silu_and_mul(x), layer, residual)
+
+
+class TorchOps(_Compositions):
     name = "torch"
 
     @staticmethod
@@ -62,31 +83,11 @@ class TorchOps:
         return F.silu(gate) * up
 
     @staticmethod
-    def fuses(num_rows: int) -> bool:
-        """Whether the model should take the fused single-row path (norm_linear, linear_add,
-        silu_mul_linear_add in place of the add + norm pairs): never, for the reference."""
-        return False
-
-    @classmethod
-    def norm_linear(cls, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
-        """layer(rms_norm(h)), with norm an RMSNorm module."""
-        return cls.linear(cls.rms_norm(h, norm.weight, norm.eps), layer)
-
-    @classmethod
-    def linear_add(cls, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
-        """residual + layer(x): the new residual stream."""
-        return cls.linear(x, layer) + residual
-
-    @classmethod
-    def silu_mul_linear_add(cls, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
-        return cls.linear_add(cls.silu_and_mul(x), layer, residual)
-
-    @staticmethod
     def attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_ref(q, kv_cache, meta, scale)
 
 
-class TritonOps:
+class TritonOps(_Compositions):
     """Fused Triton kernels; decode-only steps take the split-context decode kernel, and
     batch-1 projections the GEMV kernel (when `use_gemv`), with the norms, SiLU-and-mul and
     residual adds around them folded in (when `fuse_decode` too)."""
@@ -133,18 +134,17 @@ class TritonOps:
     def norm_linear(self, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
         if self.fuses(h.shape[0]):
             return self._gemv_linear(h, layer, norm_weight=norm.weight, eps=norm.eps)
-        return self.linear(self.rms_norm(h, norm.weight, norm.eps), layer)
+        return super().norm_linear(h, norm, layer)
 
     def linear_add(self, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
-        """In place on residual when fused (one row); a new tensor otherwise."""
         if self.fuses(x.shape[0]):
             return self._gemv_linear(x, layer, residual=residual)
-        return self.linear(x, layer) + residual
+        return super().linear_add(x, layer, residual)
 
     def silu_mul_linear_add(self, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
         if self.fuses(x.shape[0]):
             return self._gemv_linear(x, layer, silu=True, residual=residual)
-        return self.linear_add(self.silu_and_mul(x), layer, residual)
+        return super().silu_mul_linear_add(x, layer, residual)
 
     def rms_norm(self, x, weight, eps) -> torch.Tensor:
         return self._norm.rms_norm(x, weight, eps)

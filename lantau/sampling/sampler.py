@@ -257,19 +257,23 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not sampled and not any(uses_penalties(r.params) for r in rows):
             # argmax of the logits as they are: a float32 copy orders (and ties) the same
-            token_ids = logits.argmax(dim=-1)  # [num_rows]
-        elif not sampled:
-            token_ids = apply_penalties(logits, rows).argmax(dim=-1)
+            return self._pending(logits, rows, logits.argmax(dim=-1))
+        penalized = apply_penalties(logits, rows)  # [num_rows, vocab_size] float32
+        if not sampled:
+            token_ids = penalized.argmax(dim=-1)  # [num_rows]
         elif not greedy:
-            token_ids = self._sample(apply_penalties(logits, rows), rows)
+            token_ids = self._sample(penalized, rows)
         else:
-            penalized = apply_penalties(logits, rows)  # [num_rows, vocab_size] float32
             token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
             g_idx = to_device(greedy, device, torch.int64)
             token_ids[g_idx] = penalized[g_idx].argmax(dim=-1)
             s_idx = to_device(sampled, device, torch.int64)
             token_ids[s_idx] = self._sample(penalized[s_idx], [rows[i] for i in sampled])
+        return self._pending(logits, rows, token_ids)
 
+    @staticmethod
+    def _pending(logits: torch.Tensor, rows: list[SamplingRow], token_ids) -> PendingSample:
+        """The chosen ids (and the logprobs asked for) on their way to pinned host memory."""
         logprobs = logprob_tensors(logits, rows, token_ids)
         pending = PendingSample(
             token_ids=token_ids,
@@ -277,7 +281,7 @@ class Sampler:
             host_token_ids=to_host(token_ids),
             host_logprobs=None if logprobs is None else tuple(to_host(t) for t in logprobs),
         )
-        if device.type == "cuda":
+        if logits.device.type == "cuda":
             pending.event = torch.cuda.Event()
             pending.event.record()
         return pending
