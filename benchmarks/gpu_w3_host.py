@@ -6,13 +6,21 @@ host time in each stage (schedule, launch, collect + update, sample). Compared i
 with the decode CUDA graph replayed alone at that batch (gpu_w3_decode.py: ~25 ms at 376 rows
 against ~29 ms per decode step in the W3-1000 run).
 
+Then 5 steps under torch.profiler: GPU busy time per step (the union of kernels and copies)
+against wall time, the largest idle gaps on the device with what ran before and after them,
+and the SM clock and board power over the timed steps and over a 200-replay run of the graph
+alone (is the engine slower, or the card under sustained load?). The trace goes to $OUT.
+
     PYTHONPATH=. python3 benchmarks/gpu_w3_host.py
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import shutil
+import threading
 import time
 from collections import defaultdict
 
@@ -24,6 +32,72 @@ from lantau.bench.workloads import make_workload
 from lantau.sampling import sampler as sampler_mod
 
 BS = 376
+OUT = os.environ.get("OUT", ".")
+
+
+class Clocks:
+    """SM clock (MHz) and board power (W) sampled every 20 ms while open."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.sm: list[int] = []
+        self.watts: list[float] = []
+        self._stop = threading.Event()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.02):
+            self.sm.append(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM))
+            self.watts.append(self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1e3)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> str:
+        if not self.sm:
+            return "no samples"
+        return (
+            f"SM {min(self.sm)}-{max(self.sm)} MHz (mean {sum(self.sm) / len(self.sm):.0f}), "
+            f"power mean {sum(self.watts) / len(self.watts):.0f} W max {max(self.watts):.0f} W"
+        )
+
+
+def device_timeline(prof, steps: int, wall_ms: float) -> dict:
+    """GPU busy time (union of kernel and copy intervals) and the largest idle gaps."""
+    evs = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+    )
+    busy, gaps, end, prev = 0.0, [], None, ""
+    for start, stop, name in evs:
+        if end is not None and start > end:
+            gaps.append((start - end, prev, name))
+        if end is None or start > end:
+            busy += stop - start
+        elif stop > end:
+            busy += stop - end
+        if end is None or stop > end:
+            end, prev = stop, name
+    gaps.sort(reverse=True)
+    span = (evs[-1][1] - evs[0][0]) / 1e3 if evs else 0.0
+    return {
+        "gpu_events": len(evs),
+        "span_ms": span,
+        "busy_ms_per_step": busy / 1e3 / steps,
+        "wall_ms_per_step": wall_ms,
+        "idle_ms_per_step": (span - busy / 1e3) / steps,
+        "gaps_over_20us": sum(1 for g in gaps if g[0] > 20),
+        "largest_gaps_us": [(round(g, 1), a[:60], b[:60]) for g, a, b in gaps[:12]],
+    }
 
 
 def main() -> None:
@@ -82,18 +156,85 @@ def main() -> None:
         "blocked_ms_per_step": sum(waits[-steps:]) / steps * 1e3,
         "host_ms_per_step": {k: v / steps * 1e3 for k, v in stages.items()},
     }
-    # the graph alone afterwards, on whatever the buffers hold (the last step's batch)
-    res["graph_alone_ms_last_batch"] = replay_ms(
-        core.runner.graphs.graphs[next(b for b in core.runner.graphs.batch_sizes if b >= rows)][0],
-        10,
-    )
+    # the device's timeline over 5 steps
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+        prof_wall = (time.perf_counter() - t0) / 5 * 1e3
+    res["profiled"] = device_timeline(prof, 5, prof_wall)
+    path = os.path.join(OUT, "w3_host_trace.json")
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(path)
+    res["top_cpu_ops"] = [
+        (e.key[:70], round(e.self_cpu_time_total / 5 / 1e3, 3), e.count // 5)
+        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+    ]
+    # under load again, with clocks: 30 engine steps, then the graph alone, short and long
+    with Clocks() as engine_clocks:
+        t0 = time.perf_counter()
+        for _ in range(30):
+            engine.step()
+        torch.cuda.synchronize()
+        res["wall_ms_per_step_2"] = (time.perf_counter() - t0) / 30 * 1e3
+    res["clocks_engine"] = engine_clocks.summary()
+    graph = core.runner.graphs.graphs[next(b for b in core.runner.graphs.batch_sizes if b >= rows)][
+        0
+    ]  # on whatever the buffers hold (the last step's batch)
+    res["graph_alone_ms_last_batch"] = replay_ms(graph, 10)
+    with Clocks() as graph_clocks:
+        res["graph_alone_ms_200"] = replay_ms(graph, 200)
+    res["clocks_graph_alone"] = graph_clocks.summary()
+    # decode attention's grid order in the engine: wall per step (contexts grow, so the order
+    # is on, off, on) and the graph alone on the same last-batch buffers
+    ops = core.runner.model.ops
+    for heads_first in (True, False, True):
+        ops.attn_heads_first = heads_first
+        old = core.runner.graphs
+        torch.cuda.synchronize()
+        core.runner.capture_cuda_graphs()
+        new = core.runner.graphs
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"):
+            getattr(new, name).copy_(getattr(old, name))
+        graph = new.graphs[next(b for b in new.batch_sizes if b >= rows)][0]
+        alone = replay_ms(graph, 20)  # rewrites the last step's KV slots with the same values
+        del old
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(30):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_hf = (time.perf_counter() - t0) / 30 * 1e3
+        res.setdefault("heads_first", []).append(
+            {"heads_first": heads_first, "graph_alone_ms": alone, "wall_ms_per_step": wall_hf}
+        )
     print(json.dumps(res, indent=1))
-    with open(os.path.join(os.environ.get("OUT", "."), "gpu_w3_host.json"), "w") as f:
+    with open(os.path.join(OUT, "gpu_w3_host.json"), "w") as f:
         json.dump(res, f, indent=1)
     host = ", ".join(f"{k} {v:.2f}" for k, v in res["host_ms_per_step"].items())
     print(f"\n| W3-1000 decode, {rows} rows | {wall:.2f} ms/step | blocked on the device "
           f"{res['blocked_ms_per_step']:.2f} ms; host ms: {host}; graph alone "
           f"{res['graph_alone_ms_last_batch']:.2f} ms |")  # fmt: skip
+    p = res["profiled"]
+    print(f"| profiled 5 steps | {p['wall_ms_per_step']:.2f} ms/step | device busy "
+          f"{p['busy_ms_per_step']:.2f} ms, idle {p['idle_ms_per_step']:.2f} ms a step, "
+          f"{p['gaps_over_20us']} gaps over 20 us |")  # fmt: skip
+    print(f"| 30 steps, clocks | {res['wall_ms_per_step_2']:.2f} ms/step | "
+          f"{res['clocks_engine']} |")  # fmt: skip
+    print(f"| graph alone x200 | {res['graph_alone_ms_200']:.2f} ms | "
+          f"{res['clocks_graph_alone']} |")  # fmt: skip
+    for r in res["heads_first"]:
+        print(
+            f"| decode attention heads first: {r['heads_first']} | graph alone "
+            f"{r['graph_alone_ms']:.2f} ms | engine {r['wall_ms_per_step']:.2f} ms/step |"
+        )
 
 
 if __name__ == "__main__":

@@ -116,6 +116,8 @@ class TritonOps(_Compositions):
         self.fuse_decode = False
         # split decode attention merges in its own launch (else a second kernel)
         self.fuse_attn_merge = True
+        # decode attention's grid with a request's kv heads side by side (paged_attention.py)
+        self.attn_heads_first = False
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
@@ -173,7 +175,7 @@ class TritonOps(_Compositions):
         if meta.is_decode_only:
             self._attn.paged_decode_attention(
                 q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
-                merge_kernel=not self.fuse_attn_merge,
+                merge_kernel=not self.fuse_attn_merge, heads_first=self.attn_heads_first,
             )  # fmt: skip
         else:
             self._attn.unified_attention(
