@@ -5,6 +5,8 @@
    intervals; PDL overlaps a kernel's start with its predecessor's end) against the replay.
 2. 20 steps of W2 generation in the engine under the profiler: what runs on the device
    between two replays, and for how long.
+3. W2 itself with the SiLU-and-mul in gate_up's GEMV epilogue and without (on, off, on; graphs
+   recaptured; greedy tokens checked against the first).
 
     PYTHONPATH=. python3 benchmarks/gpu_w2_profile.py
 """
@@ -23,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu_w3_host import device_timeline
 from lantau import LLM, SamplingParams
-from lantau.bench.offline import replay_ms
+from lantau.bench.offline import replay_ms, run_lantau
 from lantau.bench.workloads import make_workload
 
 OUT = os.environ.get("OUT", ".")
@@ -85,6 +87,27 @@ def main() -> None:
     with open(os.path.join(OUT, "gpu_w2_profile.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
+    ops = core.runner.model.ops
+    check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
+    ref_tokens = None
+    for gated in (True, False, True):
+        ops.fuse_gate_silu = gated
+        core.runner.capture_cuda_graphs()
+        graphs = core.runner.graphs
+        graphs.seq_lens[:1].fill_(384)
+        graphs.block_tables[:1, :24] = torch.arange(24, device="cuda", dtype=torch.int32)
+        graphs.slot_mapping[:1].fill_(-1)
+        graph_ms = replay_ms(graphs.graphs[1][0], 50)
+        llm.reset_prefix_cache()
+        tokens = llm.generate(prompt, check)[0].outputs[0].token_ids
+        ref_tokens = ref_tokens or tokens
+        stats = run_lantau(llm, w2).summary()
+        res.setdefault("gate_silu_ab", []).append(
+            {"fuse_gate_silu": gated, "graph_ms": graph_ms, "ms_per_token": stats["ms_per_token"],
+             "tokens_equal": sum(a == b for a, b in zip(tokens, ref_tokens, strict=True))}
+        )  # fmt: skip
+    with open(os.path.join(OUT, "gpu_w2_profile.json"), "w") as f:
+        json.dump(res, f, indent=1)
     g = res["graph_timeline"]
     busy, idle = g["busy_ms_per_step"], g["idle_ms_per_step"]
     print(f"\n| W2 decode graph bs1, 384 keys | {res['graph_ms']:.3f} ms | device busy "
@@ -93,10 +116,14 @@ def main() -> None:
         print(f"| {name} | {us:.1f} us a step | {n} launches |")
     e = res["engine_timeline"]
     between = sum(us for _, us, _ in res["between_replays"])
-    ops = sum(n for *_, n in res["between_replays"])
+    n_ops = sum(n for *_, n in res["between_replays"])
     print(f"| W2 engine, 20 steps | {e['span_ms'] / 20:.3f} ms a step | busy "
           f"{e['busy_ms_per_step']:.3f}, idle {e['idle_ms_per_step']:.3f}; outside the graph "
-          f"{between:.1f} us a step in {ops} ops |")  # fmt: skip
+          f"{between:.1f} us a step in {n_ops} ops |")  # fmt: skip
+    for r in res["gate_silu_ab"]:
+        print(f"| W2, SiLU in gate_up's GEMV: {r['fuse_gate_silu']} | {r['ms_per_token']:.3f} "
+              f"ms/token | graph bs1 at 384 keys {r['graph_ms']:.3f} ms; greedy tokens equal to "
+              f"the first {r['tokens_equal']}/32 |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -108,3 +108,29 @@ def test_gemv_fusions_reject_bad_inputs():
         gemv(torch.randn(1, 8), w, silu=True)  # [gate | up] must be 2K wide
     with pytest.raises(AssertionError, match="residual"):
         gemv(torch.randn(1, 8), w, residual=torch.zeros(1, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (34, 1000), (2, 64)])
+def test_gemv_gated_matches_reference(dtype, n, k):
+    """Batch 1 with the SiLU-and-mul after the product (gate_up_proj's output never written):
+    each program pairs gate rows with their up rows; ragged halves (17 of 34) are masked."""
+    from lantau.kernels.activation import silu_and_mul_ref
+
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    ref = gemv_ref(x, w, gated=True)
+    unfused = silu_and_mul_ref(gemv(x, w))  # the unfused launches, as the model ran them
+    for config in [(8, 64, 4, 2), (16, 256, 4, 3), (2, 128, 2, 2)]:
+        out = gemv(x, w, config=config, gated=True)
+        assert out.shape == (1, n // 2) and out.dtype == dtype
+        # two roundings (the product's, the activation's), as the unfused launches
+        assert rel_err(out, ref) < 2 * TOLERANCES[dtype], config
+        assert rel_err(out, unfused.float()) < TOLERANCES[dtype], config
+        if dtype == torch.float32:  # same sums, same order: equal up to the fp32 rounding
+            torch.testing.assert_close(out, unfused, rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError, match="gated"):
+        gemv(x, w[:-1], gated=True)
+    with pytest.raises(AssertionError, match="batch 1"):
+        gemv(torch.randn(2, k).to(dtype), w, gated=True)

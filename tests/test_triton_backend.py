@@ -33,13 +33,15 @@ def test_triton_backend_matches_torch(tiny_llama_dir):
         assert (results["triton"][1][key] - ref).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("fuse_decode", [False, True])
+@pytest.mark.parametrize(
+    ("fuse_decode", "fuse_gate_silu"), [(False, False), (False, True), (True, True)]
+)
 def test_triton_backend_small_batches_take_the_gemv_kernel(
-    tiny_llama_dir, monkeypatch, fuse_decode
+    tiny_llama_dir, monkeypatch, fuse_decode, fuse_gate_silu
 ):
     """Batch-1 steps run every projection through the GEMV kernel (with fuse_decode, the
-    norms, SiLU-and-mul and residual adds folded into it), with the torch backend's tokens
-    and logits."""
+    norms, SiLU-and-mul and residual adds folded into it; with fuse_gate_silu, the SiLU-and-mul
+    into gate_up's epilogue), with the torch backend's tokens and logits."""
     from lantau.kernels import gemv
 
     calls = []
@@ -58,7 +60,8 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
             str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
             attention_backend=backend,
         )  # fmt: skip
-        llm.engine.core.runner.model.ops.fuse_decode = fuse_decode  # the torch ops ignore it
+        ops = llm.engine.core.runner.model.ops
+        ops.fuse_decode, ops.fuse_gate_silu = fuse_decode, fuse_gate_silu  # torch ignores them
         tokens, logits = [], []
         for n in (1, 3):  # one request alone, then three together
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params)
@@ -69,6 +72,8 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
     fusions = {c[1:] for c in calls}  # per layer: qkv and gate_up after a norm, o and down
     if fuse_decode:
         assert fusions == {("eps", "norm_weight"), ("residual",), ("residual", "silu")}
+    elif fuse_gate_silu:
+        assert fusions == {(), ("gated",)}
     else:
         assert fusions == {()}
     assert results["triton"][0] == results["torch"][0]

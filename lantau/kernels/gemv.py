@@ -54,6 +54,7 @@ def _gemv_kernel(
     NORM: tl.constexpr,  # y = W rmsnorm(x): x is the residual stream (M == 1)
     SILU: tl.constexpr,  # y = W (silu(gate) * up) for x = [gate | up] (M == 1)
     RESIDUAL: tl.constexpr,  # y_ptr += W x, rounded as the unfused add (M == 1)
+    GATED: tl.constexpr,  # y = silu(g) * u for [g | u] = W x: W is [gate; up], y N/2 wide
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     M_PAD: tl.constexpr,  # M padded to a tensor-core tile (M > 1 only)
@@ -61,8 +62,15 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    n_mask = offs_n < N
+    if GATED:  # the program's BLOCK_N // 2 gate rows, then the matching up rows
+        HALF: tl.constexpr = BLOCK_N // 2
+        local = tl.arange(0, BLOCK_N)
+        offs_j = pid * HALF + local % HALF  # [BLOCK_N]: the output column of each row
+        offs_n = offs_j + (local // HALF) * (N // 2)
+        n_mask = offs_j < N // 2
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     if M == 1:
@@ -85,10 +93,16 @@ def _gemv_kernel(
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         y = y.to(y_ptr.dtype.element_ty)
-        if RESIDUAL:  # the projection rounded, then the sum rounded: as x + residual
-            residual = tl.load(y_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            y = (residual + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + offs_n, y, mask=n_mask)
+        if GATED:  # rounded as the unfused product, then as silu_and_mul from fp32
+            gate, up = tl.split(tl.trans(tl.reshape(y.to(tl.float32), (2, HALF))))
+            offs_out = pid * HALF + tl.arange(0, HALF)
+            out = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + offs_out, out, mask=offs_out < N // 2)
+        else:
+            if RESIDUAL:  # the projection rounded, then the sum rounded: as x + residual
+                residual = tl.load(y_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                y = (residual + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + offs_n, y, mask=n_mask)
     else:
         pdl_wait(USE_PDL)
         # several rows: one [M_PAD, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per chunk,
@@ -131,13 +145,16 @@ def gemv(
     eps: float = 0.0,
     silu: bool = False,
     residual: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for 1 to GEMV_MAX_M rows of x; fp32 accumulation.
 
     Batch 1 can also fold in the decoder layer's neighbours (one launch instead of two or three):
     - `norm_weight`: x is the residual stream, and the product is with rmsnorm(x) (eps);
     - `silu`: x is [gate | up] (2K wide), and the product is with silu(gate) * up;
-    - `residual` ([1, N]): the result is added to it in place, and it is returned.
+    - `residual` ([1, N]): the result is added to it in place, and it is returned;
+    - `gated`: weight is [gate; up] (N = 2d), and the result is silu(x gate^T) * (x up^T),
+      [1, d] (the SiLU-and-mul after the product, each program owning matching gate and up rows).
     """
     # x: [M, K]; weight: [N, K]; bias: [N] -> [M, N]
     assert x.dim() == 2 and weight.dim() == 2, f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
@@ -153,8 +170,9 @@ def gemv(
     assert x.device == weight.device, f"x on {x.device}, weight on {weight.device}"
     if bias is not None:
         assert bias.shape == (n,) and bias.dtype == x.dtype, f"bias {tuple(bias.shape)}"
-    fused = norm_weight is not None or silu or residual is not None
-    assert m == 1 or not fused, f"norm, silu and residual fusion serve batch 1, got {m} rows"
+    fused = norm_weight is not None or silu or residual is not None or gated
+    assert m == 1 or not fused, f"the fusions serve batch 1, got {m} rows"
+    assert not gated or (residual is None and n % 2 == 0), f"gated: N={n} must be even, no residual"
     assert norm_weight is None or not silu, "norm_weight and silu do not combine"
     if norm_weight is not None:
         assert norm_weight.shape == (k,), f"norm_weight {tuple(norm_weight.shape)}, K={k}"
@@ -164,16 +182,19 @@ def gemv(
         assert residual.dtype == x.dtype and residual.stride(1) == 1, "residual dtype/stride"
         y = residual
     else:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        y = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = config or default_config(n, k)
     if m > 1:
         block_n = max(block_n, 16)  # a tensor-core tile's N
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    if gated:
+        block_n = max(block_n, 2)  # a gate row and its up row at least
+    grid = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
+    _gemv_kernel[(grid,)](
         x, weight, weight if bias is None else bias, y,
         weight if norm_weight is None else norm_weight, n, k, eps,
         x.stride(0), weight.stride(0), y.stride(0),
         M=m, HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU=silu,
-        RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
         M_PAD=max(16, triton.next_power_of_2(m)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device),
@@ -190,6 +211,7 @@ def gemv_ref(
     eps: float = 0.0,
     silu: bool = False,
     residual: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """fp32 reference of gemv, fusions included (residual is not modified)."""
     x = x.float()
@@ -201,4 +223,7 @@ def gemv_ref(
     y = x @ weight.float().T
     if bias is not None:
         y = y + bias.float()
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
     return y if residual is None else y + residual.float()

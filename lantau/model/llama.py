@@ -85,7 +85,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
+        return ops.linear(ops.linear_silu_mul(x, self.gate_up_proj), self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):

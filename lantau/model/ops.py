@@ -38,6 +38,10 @@ class _Compositions:
     def silu_mul_linear_add(self, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
         return self.linear_add(self.silu_and_mul(x), layer, residual)
 
+    def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
+        """silu_and_mul(layer(x)) for layer = gate_up_proj: [num_tokens, intermediate]."""
+        return self.silu_and_mul(self.linear(x, layer))
+
 
 class TorchOps(_Compositions):
     name = "torch"
@@ -114,6 +118,8 @@ class TritonOps(_Compositions):
         # runs/2026-12-03-gpu_gemv-w2-fusions.log): each of a GEMV's many programs re-reads
         # the whole input vector from L2, and the folded norm doubles that traffic
         self.fuse_decode = False
+        # batch 1: the SiLU-and-mul in the gate_up GEMV's epilogue (one launch, no gate_up write)
+        self.fuse_gate_silu = True
         # split decode attention merges in its own launch (else a second kernel)
         self.fuse_attn_merge = True
         # decode attention's grid with a request's kv heads side by side (paged_attention.py)
@@ -147,6 +153,11 @@ class TritonOps(_Compositions):
         if self.fuses(x.shape[0]):
             return self._gemv_linear(x, layer, silu=True, residual=residual)
         return super().silu_mul_linear_add(x, layer, residual)
+
+    def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
+        if self.use_gemv and self.fuse_gate_silu and x.shape[0] == 1:
+            return self._gemv_linear(x, layer, gated=True)
+        return super().linear_silu_mul(x, layer)
 
     def rms_norm(self, x, weight, eps) -> torch.Tensor:
         return self._norm.rms_norm(x, weight, eps)
