@@ -312,3 +312,20 @@ def test_logprobs_of_chosen_and_top_tokens() -> None:
         assert set(entry) == set(top) | {chosen}
     assert out.token_ids[0] == int(logits[0].argmax())
     assert out.logprobs[0][out.token_ids[0]].rank == 1
+
+
+@pytest.mark.parametrize("vocab_size", [128256, 49152, 1031, 600])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_argmax_with_its_ties(vocab_size, dtype):
+    """The two-stage argmax of a few rows picks what torch's argmax picks, the first index
+    among equal maxima included (logits drawn from a handful of values: many ties, across
+    chunks and within them), and -inf rows."""
+    from lantau.sampling.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(vocab_size)
+    for num_rows in (1, 3, 70):
+        logits = torch.randint(0, 4, (num_rows, vocab_size), generator=gen).to(dtype)
+        logits[0, : vocab_size // 2] = float("-inf")
+        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+        smooth = torch.randn(num_rows, vocab_size, generator=gen).to(dtype)
+        assert torch.equal(argmax_rows(smooth), smooth.argmax(dim=-1))

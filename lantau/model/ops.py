@@ -118,12 +118,16 @@ class TritonOps(_Compositions):
         # runs/2026-12-03-gpu_gemv-w2-fusions.log): each of a GEMV's many programs re-reads
         # the whole input vector from L2, and the folded norm doubles that traffic
         self.fuse_decode = False
-        # batch 1: the SiLU-and-mul in the gate_up GEMV's epilogue (one launch, no gate_up write)
-        self.fuse_gate_silu = True
+        # batch 1: the SiLU-and-mul in the gate_up GEMV's epilogue (one launch, no gate_up write).
+        # NOTE: off: slower on the H200 (W2 4.410 vs 4.308 ms/token, graph 4.336 vs 4.236, same
+        # run, runs/2026-12-03c-w2_profile.log): a program's gate and up rows lie 117 MB apart
+        self.fuse_gate_silu = False
         # split decode attention merges in its own launch (else a second kernel)
         self.fuse_attn_merge = True
-        # decode attention's grid with a request's kv heads side by side (paged_attention.py)
-        self.attn_heads_first = False
+        # decode attention's grid with a request's kv heads side by side (paged_attention.py):
+        # 4.38 vs 4.32 TB/s at W3-1000's shape (runs/2026-12-03b-grid_order.log); in the engine
+        # 22.70 / 22.35 ms a step on, 23.22 off in between (runs/2026-12-03c-w3_host.log)
+        self.attn_heads_first = True
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 

@@ -3,6 +3,12 @@
 A decode step launches hundreds of small kernels; replaying them as one graph removes the
 per-launch CPU cost, which dominates at small batch. Graphs read their inputs from persistent
 buffers that each step overwrites; padding rows write no KV (slot -1) and are discarded.
+
+A step's inputs reach the device in two copies: one int64 buffer (input ids, positions, slots,
+and for each row whose input token the previous step sampled on the device, that token's row
+in the runner's `last_sampled`, else -1) and one int32 buffer (sequence lengths, then block
+tables), staged in pinned host memory, padding rows included. The graph itself picks each
+row's input token from `last_sampled` or the host's ids, so nothing else runs between replays.
 """
 
 from __future__ import annotations
@@ -10,7 +16,6 @@ from __future__ import annotations
 import bisect
 import logging
 
-import numpy as np
 import torch
 
 from lantau.config import EngineConfig
@@ -38,7 +43,9 @@ class CudaGraphRunner:
         model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],
         device: torch.device,
+        last_sampled: torch.Tensor,
     ) -> None:
+        """last_sampled: the runner's [max_num_seqs] int64 ids of the last sampling step."""
         self.model = model
         self.kv_caches = kv_caches
         self.max_seq_len = config.scheduler.max_model_len
@@ -47,13 +54,27 @@ class CudaGraphRunner:
         max_blocks = cdiv(self.max_seq_len, config.cache.block_size)
         n = self.max_bs
 
-        def buf(*shape, dtype=torch.int64):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.input_ids, self.positions, self.slot_mapping = buf(n), buf(n), buf(n)
-        self.seq_lens = buf(n, dtype=torch.int32)
-        self.block_tables = buf(n, max_blocks, dtype=torch.int32)
+        self.max_blocks = max_blocks
+        # input ids, positions, slots, pending source row (-1: the host's id)
+        self.ids64 = torch.zeros((4, n), dtype=torch.int64, device=device)
+        self.ids64[3].fill_(-1)
+        # sequence lengths, then the block table rows
+        self.ids32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.pending_src = self.ids64.unbind(0)
+        self.seq_lens = self.ids32[:n]
+        self.block_tables = self.ids32[n:].view(n, max_blocks)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.last_sampled = last_sampled
+        # two pinned host copies of the buffers, used in turn: a step's staging never
+        # overwrites one whose copy the device has not done yet (its event)
+        pin = device.type == "cuda"
+        self._host = [
+            (torch.zeros((4, n), dtype=torch.int64, pin_memory=pin),
+             torch.zeros(n * (1 + max_blocks), dtype=torch.int32, pin_memory=pin))
+            for _ in range(2)
+        ]  # fmt: skip
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def can_run(self, inputs) -> bool:
@@ -71,14 +92,47 @@ class CudaGraphRunner:
             seq_lens_cpu=[],
         )
         ctx = ForwardContext(meta, self.kv_caches, self.positions[:bs])
-        hidden = self.model(self.input_ids[:bs], ctx)
+        src = self.pending_src[:bs]
+        input_ids = torch.where(src >= 0, self.last_sampled[src.clamp(min=0)], self.input_ids[:bs])
+        hidden = self.model(input_ids, ctx)
         return self.model.compute_logits(hidden)  # [bs, vocab_size]
+
+    def bucket(self, num_reqs: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_reqs)]
+
+    def stage(self, inputs, bs: int) -> None:
+        """Write a decode step's inputs, padded to `bs` rows, into the graphs' buffers: two
+        copies from pinned memory, queued on the stream without waiting."""
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # two steps back: long done
+        host64, host32 = self._host[turn]
+        ids, n, n_max = host64.numpy(), inputs.num_reqs, self.max_bs
+        ids[0, :n], ids[1, :n], ids[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        ids[0:2, n:bs] = 0
+        ids[2, n:bs] = -1  # padding rows write no KV
+        ids[3, :bs] = -1
+        ids[3, inputs.pending_rows] = inputs.pending_src
+        lens = host32.numpy()
+        lens[:n] = inputs.seq_lens
+        lens[n:bs] = 1  # padding rows: one valid slot to read
+        tables = lens[n_max : n_max + bs * self.max_blocks].reshape(bs, self.max_blocks)
+        width = inputs.block_tables.shape[1]
+        tables[:n, :width] = inputs.block_tables  # columns past width: never read
+        tables[n:bs, 0] = 0
+        self.ids64.copy_(host64, non_blocking=True)
+        end = n_max + bs * self.max_blocks
+        self.ids32[:end].copy_(host32[:end], non_blocking=True)
+        if self.ids64.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Largest first, all sharing one memory pool (replays never overlap)."""
         self.seq_lens.fill_(1)
         self.slot_mapping.fill_(-1)
+        self.pending_src.fill_(-1)
         pool = None
         for bs in reversed(self.batch_sizes):
             self._forward(bs)  # warm-up: compiles kernels, settles the allocator
@@ -91,29 +145,10 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for batch sizes %s", self.batch_sizes)
 
-    def run(self, inputs, fill_pending) -> torch.Tensor:
-        """Logits [bucket, vocab]; the first inputs.num_reqs rows are real.
-
-        `fill_pending(input_ids, inputs)` writes the input tokens still on the device.
-        """
-        n = inputs.num_reqs
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-
-        def put(dst: torch.Tensor, src: np.ndarray) -> None:
-            # NOTE: through pinned memory: a pageable copy would wait for the queued steps
-            dst.copy_(torch.from_numpy(src).pin_memory(), non_blocking=True)
-
-        put(self.input_ids[:n], inputs.input_ids)
-        fill_pending(self.input_ids, inputs)
-        put(self.positions[:n], inputs.positions)
-        put(self.slot_mapping[:n], inputs.slot_mapping)
-        put(self.seq_lens[:n], inputs.seq_lens)
-        width = inputs.block_tables.shape[1]
-        put(self.block_tables[:n, :width], inputs.block_tables)
-        if bs > n:  # padding rows: no KV write, one valid slot to read
-            self.slot_mapping[n:bs].fill_(-1)
-            self.seq_lens[n:bs].fill_(1)
-            self.block_tables[n:bs, 0].fill_(0)
+    def run(self, inputs) -> torch.Tensor:
+        """Logits [bucket, vocab]; the first inputs.num_reqs rows are real."""
+        bs = self.bucket(inputs.num_reqs)
+        self.stage(inputs, bs)
         graph, logits = self.graphs[bs]
         graph.replay()
         return logits

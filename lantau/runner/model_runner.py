@@ -121,9 +121,12 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed, device=device)
         # the last sampling step's rows and raw logits, kept by reference for parity checks
         self._last_sampled: tuple[list[str], torch.Tensor | None] = ([], None)
-        # the last queued sampling: request id -> row, and the token ids on the device
+        # the last queued sampling: request id -> row, and the token ids on the device (one
+        # persistent buffer, which the next step's inputs, CUDA graphs included, read)
         self._prev_rows: dict[str, int] = {}
-        self._prev_token_ids: torch.Tensor | None = None
+        self.last_sampled = torch.zeros(
+            config.scheduler.max_num_seqs, dtype=torch.int64, device=device
+        )
         self.graphs = None  # CudaGraphRunner, once captured
 
     @property
@@ -135,7 +138,9 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         from lantau.runner.cuda_graph import CudaGraphRunner
 
-        self.graphs = CudaGraphRunner(self.config, self.model, self.kv_caches, self.device)
+        self.graphs = CudaGraphRunner(
+            self.config, self.model, self.kv_caches, self.device, self.last_sampled
+        )
         self.graphs.capture()
 
     def _drop(self, request_id: str) -> None:
@@ -220,7 +225,7 @@ class ModelRunner:
             return
         rows = to_device(inputs.pending_rows, self.device)
         src = to_device(inputs.pending_src, self.device)
-        input_ids.index_copy_(0, rows, self._prev_token_ids[src])
+        input_ids.index_copy_(0, rows, self.last_sampled[src])
 
     def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, ForwardContext]:
         def tensor(a: np.ndarray) -> torch.Tensor:
@@ -244,7 +249,7 @@ class ModelRunner:
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
         """Logits of the sampling rows: [num_sample, vocab_size]."""
         if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs, self.fill_pending)[: len(inputs.sample_ids)]
+            return self.graphs.run(inputs)[: len(inputs.sample_ids)]
         input_ids, ctx = self._to_device(inputs)
         hidden = self.model(input_ids, ctx)
         indices = to_device(inputs.logits_indices, self.device)
@@ -292,7 +297,7 @@ class ModelRunner:
             )
         step.sampled = self.sampler.sample(step.logits, rows)
         self._prev_rows = {request_id: i for i, request_id in enumerate(step.sample_ids)}
-        self._prev_token_ids = step.sampled.token_ids
+        self.last_sampled[: len(rows)].copy_(step.sampled.token_ids)
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for the step's token ids and append them to the requests' histories."""

@@ -13,6 +13,7 @@ its tokens depend only on that generator and its logits, never on the rest of th
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -67,6 +68,28 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor, non_blocking=True)
+
+
+@functools.cache
+def _argmax_chunk(vocab_size: int) -> int:
+    """A divisor of vocab_size in [512, 4096] (the largest), or 0 if none."""
+    return next((c for c in range(4096, 511, -1) if vocab_size % c == 0), 0)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) (the first index among equal maxima), for a few rows in two stages:
+    the argmax of each chunk of the row, then of the chunks' maxima. One program per row, as
+    the plain reduction runs it, takes 38 us on an H200 for one 128k-token row (W2's step,
+    benchmarks/runs/2026-12-03c-w2_profile.log); chunks spread it over the SMs."""
+    num_rows, vocab_size = logits.shape
+    chunk = _argmax_chunk(vocab_size)
+    if num_rows >= 64 or not chunk:
+        return logits.argmax(dim=-1)
+    chunks = logits.reshape(num_rows, vocab_size // chunk, chunk)
+    within = chunks.argmax(dim=-1)  # [num_rows, num_chunks]
+    maxima = chunks.gather(-1, within[..., None]).squeeze(-1)  # [num_rows, num_chunks]
+    best = maxima.argmax(dim=-1, keepdim=True)  # [num_rows, 1]: the first chunk holding it
+    return (best * chunk + within.gather(-1, best)).squeeze(-1)
 
 
 def uses_penalties(params: SamplingParams) -> bool:
@@ -257,10 +280,10 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not sampled and not any(uses_penalties(r.params) for r in rows):
             # argmax of the logits as they are: a float32 copy orders (and ties) the same
-            return self._pending(logits, rows, logits.argmax(dim=-1))
+            return self._pending(logits, rows, argmax_rows(logits))
         penalized = apply_penalties(logits, rows)  # [num_rows, vocab_size] float32
         if not sampled:
-            token_ids = penalized.argmax(dim=-1)  # [num_rows]
+            token_ids = argmax_rows(penalized)  # [num_rows]
         elif not greedy:
             token_ids = self._sample(penalized, rows)
         else:
