@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from lantau.bench.offline import graph_ms, replay_ms
 from lantau.kernels import pdl
-from lantau.kernels.gemv import default_config, gemv, gemv_ref
+from lantau.kernels.gemv import PRELOAD_MAX_K, default_config, gemv, gemv_ref
 
 SHAPES = {  # name -> (N, K, copies)
     "qkv": (6144, 4096, 32),
@@ -36,6 +36,9 @@ SHAPES = {  # name -> (N, K, copies)
 }
 CONFIGS = list(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (3, 4)))
 SWEEP = False  # --sweep: all CONFIGS at M = 1 (the best reused at 2-8); else default_config
+PRELOAD = False  # --preload: whole-slice loads before the PDL wait, A/B'd per shape and in W2
+PRELOAD_CONFIGS = [(2, 0, 4, 1), (4, 0, 4, 1), (4, 0, 8, 1), (8, 0, 8, 1), (2, 0, 2, 1)]
+BEST_PRELOAD: dict[tuple[int, int], tuple] = {}
 TABLE: list[str] = []
 RESULTS: dict = {}
 
@@ -87,6 +90,18 @@ def sweep() -> dict[tuple[int, int], tuple]:
 
             ms_nopdl = graph_ms(run_nopdl)
             pdl.set_enabled(True)
+            preloaded = {}
+            for pcfg in PRELOAD_CONFIGS if PRELOAD and k <= PRELOAD_MAX_K else []:
+
+                def run_pre(xs=xs, ws=ws, pcfg=pcfg):
+                    for w, x in zip(ws, xs, strict=True):
+                        gemv(x, w, config=pcfg, preload=True)
+
+                out = gemv(xs[0], ws[0], config=pcfg, preload=True)
+                p_err = ((out.float() - ref).norm() / ref.norm()).item()
+                preloaded[pcfg] = (round(nbytes / graph_ms(run_pre) / 1e9, 3), f"{p_err:.1e}")
+            if preloaded:
+                BEST_PRELOAD[(n, k)] = max(preloaded, key=lambda c: preloaded[c][0])
             row[m] = {
                 "cublas_ms": round(base, 4),
                 "cublas_tb_s": round(nbytes / base / 1e9, 3),
@@ -95,11 +110,14 @@ def sweep() -> dict[tuple[int, int], tuple]:
                 "gemv_nopdl_tb_s": round(nbytes / ms_nopdl / 1e9, 3),
                 "config": cfg,
                 "rel_err": float(f"{err:.2e}"),
+                "preload_tb_s_err": {str(c): v for c, v in preloaded.items()},
             }
+            pre = "".join(f", preload {c[0]}x{c[2]}w: {t} TB/s err {e}"
+                          for c, (t, e) in preloaded.items())  # fmt: skip
             TABLE.append(
                 f"| {name} M={m} | cuBLAS {row[m]['cublas_tb_s']} TB/s | GEMV {cfg} "
                 f"{row[m]['gemv_tb_s']} TB/s (without PDL {row[m]['gemv_nopdl_tb_s']}), "
-                f"err {row[m]['rel_err']} |"
+                f"err {row[m]['rel_err']}{pre} |"
             )
             print(TABLE[-1], flush=True)
         RESULTS[name] = row
@@ -123,21 +141,27 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         ops.gemv_configs.update(best_configs)
     w2 = make_workload("W2", 128256)
     parity: dict = {}
-    # today's path first (the parity reference), then each piece off in turn, the previous
-    # session's path (GEMV, fused rope + KV write only), and today's again
-    flags = ("use_gemv", "fuse_rope_kv", "fuse_decode", "fuse_attn_merge", "pdl")
-    today = dict.fromkeys(flags, True)
-    variants = [
-        today,
-        {**today, "fuse_decode": False},
-        {**today, "pdl": False},
-        {**today, "fuse_attn_merge": False},
-        {**today, "fuse_decode": False, "fuse_attn_merge": False, "pdl": False},
-        today,
-    ]
+    # the engine's path first (the parity reference), then each piece switched in turn, the
+    # earlier path (GEMV, fused rope + KV write only), and the first again; or with --preload
+    # the first with and without whole-slice preloading
+    flags = ("use_gemv", "fuse_rope_kv", "fuse_decode", "fuse_attn_merge", "gemv_preload", "pdl")
+    today = {**{f: getattr(ops, f) for f in flags[:-1]}, "pdl": True}
+    ops.preload_configs.update(BEST_PRELOAD)
+    if PRELOAD:  # the engine as it is, with preload, without, with
+        on = {**today, "gemv_preload": True}
+        variants = [today, on, today, on]
+    else:
+        variants = [
+            today,
+            {**today, "fuse_decode": not today["fuse_decode"]},
+            {**today, "pdl": False},
+            {**today, "fuse_attn_merge": False},
+            {**today, "fuse_decode": False, "fuse_attn_merge": False, "pdl": False},
+            today,
+        ]
     for variant in variants:
-        off = [f for f in flags if not variant[f]]
-        key = "W2-" + ("all-on" if not off else "without-" + "-".join(off))
+        on = [f for f in flags if variant[f]]
+        key = "W2-with-" + "-".join(on)
         for flag in flags[:-1]:
             setattr(ops, flag, variant[flag])
         pdl.set_enabled(variant["pdl"])
@@ -189,9 +213,10 @@ def main() -> None:
     parser.add_argument("--w3", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--preload", action="store_true")
     args = parser.parse_args()
-    global SWEEP
-    SWEEP = args.sweep
+    global SWEEP, PRELOAD
+    SWEEP, PRELOAD = args.sweep, args.preload
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     best = sweep()
     RESULTS["best_configs"] = {f"{n}x{k}": c for (n, k), c in best.items()}

@@ -134,3 +134,31 @@ def test_gemv_gated_matches_reference(dtype, n, k):
         gemv(x, w[:-1], gated=True)
     with pytest.raises(AssertionError, match="batch 1"):
         gemv(torch.randn(2, k).to(dtype), w, gated=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (17, 1000), (64, 4096)])
+@pytest.mark.parametrize("fusion", ["", "norm", "residual", "gated"])
+def test_gemv_preload_matches_the_loop(dtype, n, k, fusion):
+    """Batch 1 with each program's whole weight slice loaded at once (before the PDL wait):
+    the fp32 reference, and the K-loop kernel's result, with the fusions it combines with."""
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    kwargs = {}
+    if fusion == "norm":
+        kwargs = dict(norm_weight=(torch.rand(k, generator=gen) + 0.5).to(dtype), eps=1e-5)
+    elif fusion == "gated":
+        kwargs = dict(gated=True)
+        w = w[: n - n % 2]  # [gate; up]
+    residual = torch.randn(1, n, generator=gen).to(dtype) if fusion == "residual" else None
+    ref = gemv_ref(x, w, residual=residual, **kwargs)
+    looped = gemv(x, w, residual=None if residual is None else residual.clone(), **kwargs)
+    for config in [None, (2, 0, 2, 1), (8, 0, 4, 1)]:
+        dst = None if residual is None else residual.clone()
+        out = gemv(x, w, config=config, residual=dst, preload=True, **kwargs)
+        assert out.shape == looped.shape and out.dtype == dtype
+        assert rel_err(out, ref) < 2 * TOLERANCES[dtype], config
+        assert rel_err(out, looped.float()) < TOLERANCES[dtype], config
+    with pytest.raises(AssertionError, match="preload"):
+        gemv(torch.randn(1, 8192).to(dtype), torch.randn(4, 8192).to(dtype), preload=True)

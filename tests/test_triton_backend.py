@@ -34,14 +34,16 @@ def test_triton_backend_matches_torch(tiny_llama_dir):
 
 
 @pytest.mark.parametrize(
-    ("fuse_decode", "fuse_gate_silu"), [(False, False), (False, True), (True, True)]
+    ("fuse_decode", "fuse_gate_silu", "preload"),
+    [(False, False, False), (False, True, False), (True, True, False), (False, False, True)],
 )
 def test_triton_backend_small_batches_take_the_gemv_kernel(
-    tiny_llama_dir, monkeypatch, fuse_decode, fuse_gate_silu
+    tiny_llama_dir, monkeypatch, fuse_decode, fuse_gate_silu, preload
 ):
     """Batch-1 steps run every projection through the GEMV kernel (with fuse_decode, the
     norms, SiLU-and-mul and residual adds folded into it; with fuse_gate_silu, the SiLU-and-mul
-    into gate_up's epilogue), with the torch backend's tokens and logits."""
+    into gate_up's epilogue; with preload, each program's weights loaded at once), with the torch
+    backend's tokens and logits."""
     from lantau.kernels import gemv
 
     calls = []
@@ -61,7 +63,8 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
             attention_backend=backend,
         )  # fmt: skip
         ops = llm.engine.core.runner.model.ops
-        ops.fuse_decode, ops.fuse_gate_silu = fuse_decode, fuse_gate_silu  # torch ignores them
+        # the torch ops ignore these
+        ops.fuse_decode, ops.fuse_gate_silu, ops.gemv_preload = fuse_decode, fuse_gate_silu, preload
         tokens, logits = [], []
         for n in (1, 3):  # one request alone, then three together
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params)
@@ -74,6 +77,8 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
         assert fusions == {("eps", "norm_weight"), ("residual",), ("residual", "silu")}
     elif fuse_gate_silu:
         assert fusions == {(), ("gated",)}
+    elif preload:  # every K of the tiny model is within PRELOAD_MAX_K
+        assert fusions == {("preload",)}
     else:
         assert fusions == {()}
     assert results["triton"][0] == results["torch"][0]

@@ -60,6 +60,7 @@ def _gemv_kernel(
     M_PAD: tl.constexpr,  # M padded to a tensor-core tile (M > 1 only)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32: exact, not TF32
     USE_PDL: tl.constexpr,
+    PRELOAD: tl.constexpr = False,  # batch 1, BLOCK_K >= K: see gemv's `preload`
 ):
     pid = tl.program_id(0)
     if GATED:  # the program's BLOCK_N // 2 gate rows, then the matching up rows
@@ -73,7 +74,15 @@ def _gemv_kernel(
         n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    if M == 1:
+    if M == 1 and PRELOAD:
+        # the program's whole weight slice (BLOCK_K >= K) in one load, issued before the wait:
+        # it streams in while the previous kernel finishes
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :])
+        pdl_wait(USE_PDL)
+        x, sq = _x_chunk(x_ptr, nw_ptr, 0, offs_k, k_mask, K, NORM, SILU)
+        acc = w.to(tl.float32) * x[None, :]
+    elif M == 1:
         pdl_wait(USE_PDL)
         # a 2-D accumulator, reduced once at the end: no cross-thread sum per chunk. NOTE: the
         # loop as written pipelines best; peeling the first weight tile out of it, to read it
@@ -87,6 +96,7 @@ def _gemv_kernel(
             acc += w.to(tl.float32) * x[None, :]
             if NORM:
                 sq += sq_k
+    if M == 1:
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
         if NORM:
             y *= tl.math.rsqrt(tl.sum(sq, axis=0) / K + eps)
@@ -124,6 +134,11 @@ def _gemv_kernel(
         )
 
 
+# preload: (BLOCK_N, num_warps, num_stages); K up to 4096 keeps the slice in registers
+PRELOAD_CONFIG = (4, 4, 1)
+PRELOAD_MAX_K = 4096
+
+
 def default_config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from a sweep of 36 tilings at batch 1 on an
     H200 (benchmarks/runs/2026-12-02-gpu_gemv-sweep.log): long rows take wide K chunks, tall
@@ -146,8 +161,12 @@ def gemv(
     silu: bool = False,
     residual: torch.Tensor | None = None,
     gated: bool = False,
+    preload: bool = False,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for 1 to GEMV_MAX_M rows of x; fp32 accumulation.
+
+    `preload` (batch 1, K up to PRELOAD_MAX_K): each program loads its whole weight slice
+    (BLOCK_N rows, config's BLOCK_K ignored) at once, before waiting on the previous kernel.
 
     Batch 1 can also fold in the decoder layer's neighbours (one launch instead of two or three):
     - `norm_weight`: x is the residual stream, and the product is with rmsnorm(x) (eps);
@@ -184,6 +203,10 @@ def gemv(
     else:
         y = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = config or default_config(n, k)
+    if preload:
+        assert m == 1 and k <= PRELOAD_MAX_K, f"preload serves 1 row, K <= {PRELOAD_MAX_K}"
+        block_n, num_warps, num_stages = (block_n, num_warps, 1) if config else PRELOAD_CONFIG
+        block_k = triton.next_power_of_2(k)
     if m > 1:
         block_n = max(block_n, 16)  # a tensor-core tile's N
     if gated:
@@ -194,7 +217,8 @@ def gemv(
         weight if norm_weight is None else norm_weight, n, k, eps,
         x.stride(0), weight.stride(0), y.stride(0),
         M=m, HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU=silu,
-        RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
+        RESIDUAL=residual is not None, GATED=gated, PRELOAD=preload, BLOCK_N=block_n,
+        BLOCK_K=block_k,
         M_PAD=max(16, triton.next_power_of_2(m)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device),

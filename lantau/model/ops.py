@@ -130,6 +130,10 @@ class TritonOps(_Compositions):
         self.attn_heads_first = True
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        # batch 1, K <= gemv.PRELOAD_MAX_K: each GEMV program loads its whole weight slice
+        # before waiting on the previous kernel (gemv's `preload`); tiles in preload_configs
+        self.gemv_preload = False
+        self.preload_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         if self.use_gemv and x.shape[0] <= self.gemv_max_m:
@@ -137,8 +141,11 @@ class TritonOps(_Compositions):
         return F.linear(x, layer.weight, layer.bias)
 
     def _gemv_linear(self, x, layer: torch.nn.Linear, **fusions) -> torch.Tensor:
-        config = self.gemv_configs.get(tuple(layer.weight.shape))
-        return self._gemv.gemv(x, layer.weight, layer.bias, config, **fusions)
+        shape = tuple(layer.weight.shape)
+        if self.gemv_preload and x.shape[0] == 1 and shape[1] <= self._gemv.PRELOAD_MAX_K:
+            config = self.preload_configs.get(shape)
+            return self._gemv.gemv(x, layer.weight, layer.bias, config, preload=True, **fusions)
+        return self._gemv.gemv(x, layer.weight, layer.bias, self.gemv_configs.get(shape), **fusions)
 
     def fuses(self, num_rows: int) -> bool:
         return self.use_gemv and self.fuse_decode and num_rows == 1
