@@ -230,7 +230,10 @@ def e2e_parity() -> None:
 
     runs = {}
     # triton-bs1: one prompt at a time, so decode steps take the fused batch-1 GEMV path
+    # triton-bs1-preload: the same with the GEMVs' whole-slice preload (ops.gemv_preload)
     variants = [("torch", True), ("triton", True), ("triton", False), ("triton-bs1", False)]
+    if os.environ.get("PARITY_PRELOAD"):  # the batch-1 path alone, with preload and without
+        variants = [("torch", True), ("triton-bs1", False), ("triton-bs1-preload", False)]
     if os.environ.get("PARITY_FP32"):  # which of the bf16 runs is nearer fp32 truth?
         variants = [("torch", True), ("triton", True), ("torch-fp32", True)]
     if not torch.cuda.is_available():  # a CPU dry run of this stage's logic
@@ -239,7 +242,7 @@ def e2e_parity() -> None:
         llm = LLM(
             os.environ.get("PARITY_MODEL", "random:llama3-8b"),
             dtype="float32" if backend.endswith("fp32") else "auto",
-            attention_backend=backend.removesuffix("-fp32").removesuffix("-bs1"),
+            attention_backend=backend.split("-")[0],
             enforce_eager=eager,
             num_kv_blocks=2048,
             max_model_len=4096,
@@ -247,7 +250,11 @@ def e2e_parity() -> None:
             max_num_seqs=16,
         )
         runner = llm.engine.core.runner
-        one_at_a_time = backend.endswith("-bs1")
+        one_at_a_time = "-bs1" in backend
+        if backend.endswith("-preload"):
+            runner.model.ops.gemv_preload = True
+            if not eager:
+                runner.capture_cuda_graphs()
 
         def generate(n, llm=llm, runner=runner, one=one_at_a_time):
             """(outputs, last logits of each request)"""

@@ -253,6 +253,18 @@ def run_hf_peer(model_config, workload: Workload, device: torch.device, static: 
     return RunStats(name, len(e2e), num_tokens, elapsed, e2e, [], util.mean)
 
 
+def engine_sizes(
+    workload_name: str, max_num_seqs: int | None, max_num_batched_tokens: int | None
+) -> tuple[int, int | None]:
+    """max_num_seqs and the step's token budget for a workload, where not given: the W3 rows
+    (throughput, all prompts at once) run 384 sequences and 32,768-token steps, the sizes the
+    H200 runs settled on (benchmarks/RESULTS.md: W3-bf16-1000 10,036 tok/s at 32k vs 9,755 at
+    16k); others 256 and the engine's default budget."""
+    if workload_name.startswith("W3"):
+        return max_num_seqs or 384, max_num_batched_tokens or 32768
+    return max_num_seqs or 256, max_num_batched_tokens
+
+
 def bench_offline(args) -> dict:
     from lantau.llm import LLM, build_engine_config
 
@@ -272,11 +284,14 @@ def bench_offline(args) -> dict:
         )
         peers.append(run_hf_peer(config.model_config, sub, device, static=peer == "hf-static"))
     max_len = max(len(p) for p in workload.prompts) + workload.max_tokens
+    max_num_seqs, max_num_batched_tokens = engine_sizes(
+        workload.name, args.max_num_seqs, args.max_num_batched_tokens
+    )
     llm = LLM(
         args.model,
         max_model_len=max(max_len, args.max_model_len or 0),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         scheduling_policy=getattr(args, "scheduling_policy", "max_utilization"),
         async_scheduling=getattr(args, "async_scheduling", True),
@@ -286,6 +301,11 @@ def bench_offline(args) -> dict:
     result["lantau"] = ours.summary()
     result["new_segments_during_run"] = _num_segments(device) - segments_before
     result["kv_blocks"] = llm.config.cache.num_blocks
+    sched = llm.config.scheduler
+    result["engine"] = {
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+    }
     result["peers"] = [p.summary() for p in peers]
     return result
 
