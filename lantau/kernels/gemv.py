@@ -134,9 +134,15 @@ def _gemv_kernel(
         )
 
 
-# preload: (BLOCK_N, num_warps, num_stages); K up to 4096 keeps the slice in registers
-PRELOAD_CONFIG = (4, 4, 1)
+# preload: K up to 4096 keeps a program's slice in registers
 PRELOAD_MAX_K = 4096
+
+
+def preload_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the preload, from the H200 sweep of 5 tiles
+    (benchmarks/runs/2026-12-03e-gemv_preload.log): 4 rows a program; 8 warps for lm_head's
+    128k rows (4.50 TB/s vs 4.16 at 4 warps), 4 for the rest (o 3.43, qkv 3.74, gate_up 4.37)."""
+    return (4, 8, 1) if n >= 65536 else (4, 4, 1)
 
 
 def default_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -205,7 +211,7 @@ def gemv(
     block_n, block_k, num_warps, num_stages = config or default_config(n, k)
     if preload:
         assert m == 1 and k <= PRELOAD_MAX_K, f"preload serves 1 row, K <= {PRELOAD_MAX_K}"
-        block_n, num_warps, num_stages = (block_n, num_warps, 1) if config else PRELOAD_CONFIG
+        block_n, num_warps, num_stages = (block_n, num_warps, 1) if config else preload_config(n, k)
         block_k = triton.next_power_of_2(k)
     if m > 1:
         block_n = max(block_n, 16)  # a tensor-core tile's N

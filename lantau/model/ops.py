@@ -131,8 +131,10 @@ class TritonOps(_Compositions):
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         # batch 1, K <= gemv.PRELOAD_MAX_K: each GEMV program loads its whole weight slice
-        # before waiting on the previous kernel (gemv's `preload`); tiles in preload_configs
-        self.gemv_preload = False
+        # before waiting on the previous kernel (gemv's `preload`); tiles in preload_configs.
+        # W2 4.122 vs 4.323 ms/token, same run (runs/2026-12-03e-gemv_preload.log); real-weight
+        # parity decode 9.3e-3, as without (runs/2026-12-03f-parity_preload.log)
+        self.gemv_preload = True
         self.preload_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
