@@ -38,6 +38,7 @@ CONFIGS = list(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (3, 4)))
 SWEEP = False  # --sweep: all CONFIGS at M = 1 (the best reused at 2-8); else default_config
 PRELOAD = False  # --preload: whole-slice loads before the PDL wait, A/B'd per shape and in W2
 PRELOAD_CONFIGS = [(2, 0, 4, 1), (4, 0, 4, 1), (4, 0, 8, 1), (8, 0, 8, 1), (2, 0, 2, 1)]
+PRELOAD_CONFIGS_LONG = [(2, 0, 8, 1), (1, 0, 4, 1), (1, 0, 8, 1), (2, 0, 16, 1)]  # K > 4096
 BEST_PRELOAD: dict[tuple[int, int], tuple] = {}
 TABLE: list[str] = []
 RESULTS: dict = {}
@@ -91,7 +92,8 @@ def sweep() -> dict[tuple[int, int], tuple]:
             ms_nopdl = graph_ms(run_nopdl)
             pdl.set_enabled(True)
             preloaded = {}
-            for pcfg in PRELOAD_CONFIGS if PRELOAD and k <= PRELOAD_MAX_K else []:
+            pcfgs = PRELOAD_CONFIGS if k <= 4096 else PRELOAD_CONFIGS_LONG
+            for pcfg in pcfgs if PRELOAD and k <= PRELOAD_MAX_K else []:
 
                 def run_pre(xs=xs, ws=ws, pcfg=pcfg):
                     for w, x in zip(ws, xs, strict=True):
@@ -147,9 +149,9 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
     flags = ("use_gemv", "fuse_rope_kv", "fuse_decode", "fuse_attn_merge", "gemv_preload", "pdl")
     today = {**{f: getattr(ops, f) for f in flags[:-1]}, "pdl": True}
     ops.preload_configs.update(BEST_PRELOAD)
-    if PRELOAD:  # the engine as it is, with preload, without, with
-        on = {**today, "gemv_preload": True}
-        variants = [today, on, today, on]
+    if PRELOAD:  # the engine as it is, without preload, again, and preloading down_proj too
+        off = {**today, "gemv_preload": False}
+        variants = [today, off, today, {**today, "gemv_preload": True, "preload_max_k": 16384}]
     else:
         variants = [
             today,
@@ -164,6 +166,8 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         key = "W2-with-" + "-".join(on)
         for flag in flags[:-1]:
             setattr(ops, flag, variant[flag])
+        ops.preload_max_k = variant.get("preload_max_k", 4096)
+        key += "-down" if ops.gemv_preload and ops.preload_max_k > 4096 else ""
         pdl.set_enabled(variant["pdl"])
         try:
             core.runner.capture_cuda_graphs()

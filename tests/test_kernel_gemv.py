@@ -137,7 +137,7 @@ def test_gemv_gated_matches_reference(dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k"), [(40, 96), (17, 1000), (64, 4096)])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (17, 1000), (64, 4096), (6, 14336)])
 @pytest.mark.parametrize("fusion", ["", "norm", "residual", "gated"])
 def test_gemv_preload_matches_the_loop(dtype, n, k, fusion):
     """Batch 1 with each program's whole weight slice loaded at once (before the PDL wait):
@@ -161,4 +161,4 @@ def test_gemv_preload_matches_the_loop(dtype, n, k, fusion):
         assert rel_err(out, ref) < 2 * TOLERANCES[dtype], config
         assert rel_err(out, looped.float()) < TOLERANCES[dtype], config
     with pytest.raises(AssertionError, match="preload"):
-        gemv(torch.randn(1, 8192).to(dtype), torch.randn(4, 8192).to(dtype), preload=True)
+        gemv(torch.randn(1, 16400).to(dtype), torch.randn(4, 16400).to(dtype), preload=True)

@@ -77,7 +77,7 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
         assert fusions == {("eps", "norm_weight"), ("residual",), ("residual", "silu")}
     elif fuse_gate_silu:
         assert fusions == {(), ("gated",)}
-    elif preload:  # every K of the tiny model is within PRELOAD_MAX_K
+    elif preload:  # every K of the tiny model is within ops.preload_max_k
         assert fusions == {("preload",)}
     else:
         assert fusions == {()}

@@ -134,14 +134,19 @@ def _gemv_kernel(
         )
 
 
-# preload: K up to 4096 keeps a program's slice in registers
-PRELOAD_MAX_K = 4096
+# preload: the longest row a program loads at once (BLOCK_N * 16384 over its threads); the
+# model takes it up to ops.preload_max_k, K <= 4096 as measured
+PRELOAD_MAX_K = 16384
 
 
 def preload_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the preload, from the H200 sweep of 5 tiles
     (benchmarks/runs/2026-12-03e-gemv_preload.log): 4 rows a program; 8 warps for lm_head's
-    128k rows (4.50 TB/s vs 4.16 at 4 warps), 4 for the rest (o 3.43, qkv 3.74, gate_up 4.37)."""
+    128k rows (4.50 TB/s vs 4.16 at 4 warps), 4 for the rest (o 3.43, qkv 3.74, gate_up 4.37).
+    Rows past 4096 (down_proj's 14336): 2 rows over 8 warps, 64 registers of weights a thread
+    as at K = 4096 (not yet measured)."""
+    if k > 4096:
+        return 2, 8, 1
     return (4, 8, 1) if n >= 65536 else (4, 4, 1)
 
 

@@ -130,11 +130,12 @@ class TritonOps(_Compositions):
         self.attn_heads_first = True
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
-        # batch 1, K <= gemv.PRELOAD_MAX_K: each GEMV program loads its whole weight slice
+        # batch 1, K <= preload_max_k: each GEMV program loads its whole weight slice
         # before waiting on the previous kernel (gemv's `preload`); tiles in preload_configs.
         # W2 4.122 vs 4.323 ms/token, same run (runs/2026-12-03e-gemv_preload.log); real-weight
         # parity decode 9.3e-3, as without (runs/2026-12-03f-parity_preload.log)
         self.gemv_preload = True
+        self.preload_max_k = 4096  # down_proj's K = 14336 (gemv allows it) is not yet measured
         self.preload_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -144,7 +145,7 @@ class TritonOps(_Compositions):
 
     def _gemv_linear(self, x, layer: torch.nn.Linear, **fusions) -> torch.Tensor:
         shape = tuple(layer.weight.shape)
-        if self.gemv_preload and x.shape[0] == 1 and shape[1] <= self._gemv.PRELOAD_MAX_K:
+        if self.gemv_preload and x.shape[0] == 1 and shape[1] <= self.preload_max_k:
             config = self.preload_configs.get(shape)
             return self._gemv.gemv(x, layer.weight, layer.bias, config, preload=True, **fusions)
         return self._gemv.gemv(x, layer.weight, layer.bias, self.gemv_configs.get(shape), **fusions)
