@@ -23,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from lantau.bench.offline import graph_ms, replay_ms
+from lantau.bench.offline import batch1_graph, graph_ms, replay_ms
 from lantau.kernels import pdl
 from lantau.kernels.gemv import PRELOAD_MAX_K, default_config, gemv, gemv_ref
 
@@ -175,11 +175,7 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
             TABLE.append(f"| {key} | capture failed: {type(e).__name__} {str(e)[:200]} | |")
             print(TABLE[-1], flush=True)
             continue
-        graphs = core.runner.graphs
-        graphs.seq_lens[:1].fill_(384)
-        graphs.block_tables[:1, :24] = torch.arange(24, device="cuda", dtype=torch.int32)
-        graphs.slot_mapping[:1].fill_(-1)
-        graph_1 = replay_ms(graphs.graphs[1][0])
+        graph_1 = replay_ms(batch1_graph(core.runner.graphs, 384, llm.config.cache.block_size))
         # correctness in the engine: greedy tokens and last logits against the first variant
         check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
         llm.reset_prefix_cache()  # the prompt computed afresh, as in the first variant

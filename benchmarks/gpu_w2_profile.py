@@ -13,19 +13,17 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
-import shutil
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.gpu_w3_host import device_timeline
+from benchmarks.gpu_w3_host import device_timeline, export_trace_gz
 from lantau import LLM, SamplingParams
-from lantau.bench.offline import replay_ms, run_lantau
+from lantau.bench.offline import batch1_graph, replay_ms, run_lantau
 from lantau.bench.workloads import make_workload
 
 OUT = os.environ.get("OUT", ".")
@@ -48,11 +46,8 @@ def main() -> None:
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     llm = LLM("random:llama3-8b", max_model_len=1024, max_num_seqs=8)
     core = llm.engine.core
-    graphs = core.runner.graphs
-    graphs.seq_lens[:1].fill_(384)
-    graphs.block_tables[:1, :24] = torch.arange(24, device="cuda", dtype=torch.int32)
-    graphs.slot_mapping[:1].fill_(-1)
-    graph = graphs.graphs[1][0]
+    block_size = llm.config.cache.block_size
+    graph = batch1_graph(core.runner.graphs, 384, block_size)
     res = {"graph_ms": replay_ms(graph, 50)}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
@@ -79,25 +74,14 @@ def main() -> None:
     graph_names = {n for n, _, _ in res["graph_kernels"]}
     res["between_replays"] = [r for r in steps if r[0] not in graph_names]
     res["engine_timeline"] = device_timeline(prof, 20, 0.0)
-    path = os.path.join(OUT, "w2_engine_trace.json")
-    prof.export_chrome_trace(path)
-    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(path)
-    with open(os.path.join(OUT, "gpu_w2_profile.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps(res, indent=1))
+    export_trace_gz(prof, os.path.join(OUT, "w2_engine_trace.json.gz"))
     ops = core.runner.model.ops
     check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
     ref_tokens = None
     for gated in (True, False, True):
         ops.fuse_gate_silu = gated
         core.runner.capture_cuda_graphs()
-        graphs = core.runner.graphs
-        graphs.seq_lens[:1].fill_(384)
-        graphs.block_tables[:1, :24] = torch.arange(24, device="cuda", dtype=torch.int32)
-        graphs.slot_mapping[:1].fill_(-1)
-        graph_ms = replay_ms(graphs.graphs[1][0], 50)
+        graph_ms = replay_ms(batch1_graph(core.runner.graphs, 384, block_size), 50)
         llm.reset_prefix_cache()
         tokens = llm.generate(prompt, check)[0].outputs[0].token_ids
         ref_tokens = ref_tokens or tokens
@@ -108,6 +92,7 @@ def main() -> None:
         )  # fmt: skip
     with open(os.path.join(OUT, "gpu_w2_profile.json"), "w") as f:
         json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
     g = res["graph_timeline"]
     busy, idle = g["busy_ms_per_step"], g["idle_ms_per_step"]
     print(f"\n| W2 decode graph bs1, 384 keys | {res['graph_ms']:.3f} ms | device busy "

@@ -70,6 +70,24 @@ class Clocks:
         )
 
 
+def export_trace_gz(prof, path: str) -> None:
+    """The profiler's chrome trace, gzipped, at path (ending .gz)."""
+    raw = path.removesuffix(".gz")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+
+
+def steps_ms(engine, steps: int) -> float:
+    """Mean wall time of `steps` engine steps, the device drained at the end."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
 def device_timeline(prof, steps: int, wall_ms: float) -> dict:
     """GPU busy time (union of kernel and copy intervals) and the largest idle gaps."""
     evs = sorted(
@@ -160,32 +178,19 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(5):
-            engine.step()
-        torch.cuda.synchronize()
-        prof_wall = (time.perf_counter() - t0) / 5 * 1e3
+        prof_wall = steps_ms(engine, 5)
     res["profiled"] = device_timeline(prof, 5, prof_wall)
-    path = os.path.join(OUT, "w3_host_trace.json")
-    prof.export_chrome_trace(path)
-    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(path)
+    export_trace_gz(prof, os.path.join(OUT, "w3_host_trace.json.gz"))
     res["top_cpu_ops"] = [
         (e.key[:70], round(e.self_cpu_time_total / 5 / 1e3, 3), e.count // 5)
         for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
     ]
     # under load again, with clocks: 30 engine steps, then the graph alone, short and long
     with Clocks() as engine_clocks:
-        t0 = time.perf_counter()
-        for _ in range(30):
-            engine.step()
-        torch.cuda.synchronize()
-        res["wall_ms_per_step_2"] = (time.perf_counter() - t0) / 30 * 1e3
+        res["wall_ms_per_step_2"] = steps_ms(engine, 30)
     res["clocks_engine"] = engine_clocks.summary()
-    graph = core.runner.graphs.graphs[next(b for b in core.runner.graphs.batch_sizes if b >= rows)][
-        0
-    ]  # on whatever the buffers hold (the last step's batch)
+    graphs = core.runner.graphs
+    graph = graphs.graphs[graphs.bucket(rows)][0]  # on the last step's batch, as the buffers hold
     res["graph_alone_ms_last_batch"] = replay_ms(graph, 10)
     with Clocks() as graph_clocks:
         res["graph_alone_ms_200"] = replay_ms(graph, 200)
@@ -201,17 +206,11 @@ def main() -> None:
         new = core.runner.graphs
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"):
             getattr(new, name).copy_(getattr(old, name))
-        graph = new.graphs[next(b for b in new.batch_sizes if b >= rows)][0]
+        graph = new.graphs[new.bucket(rows)][0]
         alone = replay_ms(graph, 20)  # rewrites the last step's KV slots with the same values
         del old
-        for _ in range(3):
-            engine.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(30):
-            engine.step()
-        torch.cuda.synchronize()
-        wall_hf = (time.perf_counter() - t0) / 30 * 1e3
+        steps_ms(engine, 3)  # settle
+        wall_hf = steps_ms(engine, 30)
         res.setdefault("heads_first", []).append(
             {"heads_first": heads_first, "graph_alone_ms": alone, "wall_ms_per_step": wall_hf}
         )

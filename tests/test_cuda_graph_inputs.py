@@ -19,7 +19,7 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
     )  # fmt: skip
     runner = llm.engine.core.runner
     graphs = CudaGraphRunner(
-        runner.config, runner.model, runner.kv_caches, runner.device, runner.last_sampled
+        runner.config, runner.model, runner.kv_caches, runner.device, runner.prev_token_ids
     )
     assert graphs.batch_sizes == [1, 2, 4, 8]
     checked = []

@@ -141,6 +141,18 @@ def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 50) -> float:
     return begin.elapsed_time(end) / iters
 
 
+def batch1_graph(graphs, keys: int, block_size: int) -> torch.cuda.CUDAGraph:
+    """The captured batch-1 decode graph (a CudaGraphRunner's), its row set to `keys` keys on
+    cache blocks 0, 1, ... and writing no KV: the graph to time alone."""
+    num_blocks = -(-keys // block_size)
+    graphs.seq_lens[:1].fill_(keys)
+    graphs.block_tables[0, :num_blocks] = torch.arange(
+        num_blocks, dtype=torch.int32, device=graphs.block_tables.device
+    )
+    graphs.slot_mapping[:1].fill_(-1)
+    return graphs.graphs[1][0]
+
+
 def graph_ms(fn, iters: int = 20) -> float:
     """Mean GPU time of fn, captured as one CUDA graph (no launch gaps) and replayed."""
     fn()  # warm-up: compiles, settles the allocator

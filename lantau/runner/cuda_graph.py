@@ -6,9 +6,9 @@ buffers that each step overwrites; padding rows write no KV (slot -1) and are di
 
 A step's inputs reach the device in two copies: one int64 buffer (input ids, positions, slots,
 and for each row whose input token the previous step sampled on the device, that token's row
-in the runner's `last_sampled`, else -1) and one int32 buffer (sequence lengths, then block
+in the runner's `prev_token_ids`, else -1) and one int32 buffer (sequence lengths, then block
 tables), staged in pinned host memory, padding rows included. The graph itself picks each
-row's input token from `last_sampled` or the host's ids, so nothing else runs between replays.
+row's input token from `prev_token_ids` or the host's ids, so nothing else runs between replays.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ class CudaGraphRunner:
         model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],
         device: torch.device,
-        last_sampled: torch.Tensor,
+        prev_token_ids: torch.Tensor,
     ) -> None:
-        """last_sampled: the runner's [max_num_seqs] int64 ids of the last sampling step."""
+        """prev_token_ids: the runner's [max_num_seqs] int64 ids of the last sampling step."""
         self.model = model
         self.kv_caches = kv_caches
         self.max_seq_len = config.scheduler.max_model_len
@@ -64,7 +64,7 @@ class CudaGraphRunner:
         self.seq_lens = self.ids32[:n]
         self.block_tables = self.ids32[n:].view(n, max_blocks)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.last_sampled = last_sampled
+        self.prev_token_ids = prev_token_ids
         # two pinned host copies of the buffers, used in turn: a step's staging never
         # overwrites one whose copy the device has not done yet (its event)
         pin = device.type == "cuda"
@@ -93,7 +93,9 @@ class CudaGraphRunner:
         )
         ctx = ForwardContext(meta, self.kv_caches, self.positions[:bs])
         src = self.pending_src[:bs]
-        input_ids = torch.where(src >= 0, self.last_sampled[src.clamp(min=0)], self.input_ids[:bs])
+        input_ids = torch.where(
+            src >= 0, self.prev_token_ids[src.clamp(min=0)], self.input_ids[:bs]
+        )
         hidden = self.model(input_ids, ctx)
         return self.model.compute_logits(hidden)  # [bs, vocab_size]
 

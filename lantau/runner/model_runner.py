@@ -124,7 +124,7 @@ class ModelRunner:
         # the last queued sampling: request id -> row, and the token ids on the device (one
         # persistent buffer, which the next step's inputs, CUDA graphs included, read)
         self._prev_rows: dict[str, int] = {}
-        self.last_sampled = torch.zeros(
+        self.prev_token_ids = torch.zeros(
             config.scheduler.max_num_seqs, dtype=torch.int64, device=device
         )
         self.graphs = None  # CudaGraphRunner, once captured
@@ -139,7 +139,7 @@ class ModelRunner:
         from lantau.runner.cuda_graph import CudaGraphRunner
 
         self.graphs = CudaGraphRunner(
-            self.config, self.model, self.kv_caches, self.device, self.last_sampled
+            self.config, self.model, self.kv_caches, self.device, self.prev_token_ids
         )
         self.graphs.capture()
 
@@ -225,7 +225,7 @@ class ModelRunner:
             return
         rows = to_device(inputs.pending_rows, self.device)
         src = to_device(inputs.pending_src, self.device)
-        input_ids.index_copy_(0, rows, self.last_sampled[src])
+        input_ids.index_copy_(0, rows, self.prev_token_ids[src])
 
     def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, ForwardContext]:
         def tensor(a: np.ndarray) -> torch.Tensor:
@@ -297,7 +297,7 @@ class ModelRunner:
             )
         step.sampled = self.sampler.sample(step.logits, rows)
         self._prev_rows = {request_id: i for i, request_id in enumerate(step.sample_ids)}
-        self.last_sampled[: len(rows)].copy_(step.sampled.token_ids)
+        self.prev_token_ids[: len(rows)].copy_(step.sampled.token_ids)
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for the step's token ids and append them to the requests' histories."""
