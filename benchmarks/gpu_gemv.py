@@ -146,12 +146,18 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
     # the engine's path first (the parity reference), then each piece switched in turn, the
     # earlier path (GEMV, fused rope + KV write only), and the first again; or with --preload
     # the first with and without whole-slice preloading
-    flags = ("use_gemv", "fuse_rope_kv", "fuse_decode", "fuse_attn_merge", "gemv_preload", "pdl")
+    flags = (
+        "use_gemv", "fuse_rope_kv", "fuse_decode", "fuse_qkv_rope", "fuse_attn_merge",
+        "gemv_preload", "pdl",
+    )  # fmt: skip
     today = {**{f: getattr(ops, f) for f in flags[:-1]}, "pdl": True}
     ops.preload_configs.update(BEST_PRELOAD)
-    if PRELOAD:  # the engine as it is, without preload, again, and preloading down_proj too
-        off = {**today, "gemv_preload": False}
-        variants = [today, off, today, {**today, "gemv_preload": True, "preload_max_k": 16384}]
+    if PRELOAD:  # the engine as it is, then with the rotary and KV write in qkv_proj's
+        # GEMV epilogue, twice each. Measured before (runs/2026-12-03g-gemv_fused.log):
+        # down_proj preloaded (4.142 vs 4.126 ms/token) and the norms / SiLU / adds folded
+        # into the preloading GEMVs (4.185; 5.6 with down_proj preloaded), both slower
+        rope = {**today, "fuse_qkv_rope": True}
+        variants = [today, rope, today, rope]
     else:
         variants = [
             today,

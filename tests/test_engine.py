@@ -299,3 +299,37 @@ def test_overlapped_abort_and_id_reuse_leave_nothing_behind(tiny_llama_dir, refe
     for i in range(3, 8):
         assert finished[f"r{i}"] == expected[i]
     check_clean(llm)
+
+
+def test_profile_step_packs_the_token_budget_as_separate_prompts(tiny_llama_dir):
+    """The start-up memory profile runs a full token budget (100) as max_model_len (32) prompts
+    on their own blocks: the packed step's logits for its last, shorter prompt equal that prompt
+    run alone."""
+    import dataclasses
+
+    import torch
+
+    from lantau.engine.core import profile_inputs
+    from lantau.runner.model_runner import ModelRunner
+
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=32,
+        max_num_batched_tokens=100,
+    )  # fmt: skip
+    core = llm.engine.core
+    inputs, num_blocks = profile_inputs(core.config)
+    assert inputs.seq_lens.tolist() == [32, 32, 32, 4]
+    assert len(inputs.input_ids) == 100 and num_blocks == 3 * 2 + 1  # 16-token blocks
+    assert len(set(inputs.slot_mapping.tolist())) == 100  # no two tokens share a slot
+    alone_config = dataclasses.replace(
+        core.config,
+        scheduler=dataclasses.replace(core.config.scheduler, max_num_batched_tokens=4),
+    )
+    alone, alone_blocks = profile_inputs(alone_config)
+    assert alone.seq_lens.tolist() == [4] and alone_blocks == 1
+    with torch.inference_mode():
+        packed = ModelRunner(core.config, core.runner.model, num_blocks, core.device)
+        single = ModelRunner(alone_config, core.runner.model, alone_blocks, core.device)
+        out, ref = packed._forward_logits(inputs), single._forward_logits(alone)
+    assert out.shape == (min(core.config.scheduler.max_num_seqs, 100), ref.shape[1])
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-4, atol=1e-4)

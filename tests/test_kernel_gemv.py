@@ -162,3 +162,72 @@ def test_gemv_preload_matches_the_loop(dtype, n, k, fusion):
         assert rel_err(out, looped.float()) < TOLERANCES[dtype], config
     with pytest.raises(AssertionError, match="preload"):
         gemv(torch.randn(1, 16400).to(dtype), torch.randn(4, 16400).to(dtype), preload=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim", "k"), [(4, 2, 16, 96), (3, 1, 64, 200)]
+)
+@pytest.mark.parametrize("norm", [False, True])
+def test_gemv_rope_epilogue_matches_the_unfused_path(
+    dtype, num_q_heads, num_kv_heads, head_dim, k, norm
+):
+    """qkv_proj with rotary and the KV-cache write in its epilogue: q, and the cache after it,
+    against the unfused launches (GEMV, then the fused rotary + KV-write kernel) and the torch
+    reference; nothing else in the cache changes, and slot -1 stores nothing."""
+    from lantau.kernels.gemv import Rope
+    from lantau.kernels.rotary import apply_rotary_and_write_kv
+    from lantau.model.ops import build_cos_sin_cache
+    from lantau.runner.attention import write_kv_cache
+
+    gen = torch.Generator().manual_seed(head_dim + k)
+    n = (num_q_heads + 2 * num_kv_heads) * head_dim
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    kwargs = (
+        dict(norm_weight=(torch.rand(k, generator=gen) + 0.5).to(dtype), eps=1e-5) if norm else {}
+    )
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos_sin = build_cos_sin_cache(inv_freq, 64)
+    positions, slot = torch.tensor([37]), torch.tensor([13])
+    cache0 = torch.randn(2, 4, 8, num_kv_heads, head_dim, generator=gen).to(dtype)
+
+    qkv = gemv(x, w, **kwargs)  # the unfused launches
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    q, kk, v = (t.view(1, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    unfused_cache = cache0.clone()
+    apply_rotary_and_write_kv(q, kk, v, positions, cos_sin, unfused_cache, slot)
+    # the torch reference from the fp32 product, rounded where the model rounds
+    ref = gemv_ref(x, w, **kwargs).to(dtype)
+    rq, rk, rv = (t.view(1, -1, head_dim) for t in ref.split([q_size, kv_size, kv_size], dim=-1))
+    cos, sin = cos_sin[positions][:, None, :].chunk(2, dim=-1)
+
+    def rotate(t):
+        t1, t2 = t.float().chunk(2, dim=-1)
+        return torch.cat((t1 * cos - t2 * sin, t2 * cos + t1 * sin), dim=-1).to(dtype)
+
+    ref_cache = cache0.clone()
+    write_kv_cache(rotate(rk), rv, ref_cache, slot)
+    for config in [None, (2, 64, 2, 2), (32, 64, 4, 2)]:
+        for preload in (False, True):
+            cache = cache0.clone()
+            out = gemv(
+                x,
+                w,
+                config=config,
+                rope=Rope(positions, cos_sin, cache, slot),
+                preload=preload,
+                **kwargs,
+            )
+            assert out.shape == (1, q_size) and out.dtype == dtype
+            torch.testing.assert_close(out, q.reshape(1, q_size), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cache, unfused_cache, rtol=1e-5, atol=1e-5)
+            assert rel_err(out, rotate(rq).reshape(1, q_size).float()) < 2 * TOLERANCES[dtype]
+            assert rel_err(cache[:, 1, 5], ref_cache[:, 1, 5].float()) < 2 * TOLERANCES[dtype]
+            changed = (cache != cache0).view(2, 32, -1).any(-1)  # [2, slots]
+            assert changed[:, 13].all() and changed.sum() == 2, (config, preload)
+    cache = cache0.clone()
+    gemv(x, w, rope=Rope(positions, cos_sin, cache, torch.tensor([-1])), **kwargs)
+    assert torch.equal(cache, cache0)  # a padding row's slot: nothing stored
+    with pytest.raises(AssertionError, match="rope"):
+        gemv(x, w[: -head_dim // 2], rope=Rope(positions, cos_sin, cache, slot))

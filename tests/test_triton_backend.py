@@ -34,16 +34,24 @@ def test_triton_backend_matches_torch(tiny_llama_dir):
 
 
 @pytest.mark.parametrize(
-    ("fuse_decode", "fuse_gate_silu", "preload"),
-    [(False, False, False), (False, True, False), (True, True, False), (False, False, True)],
+    ("fuse_decode", "fuse_gate_silu", "preload", "rope"),
+    [
+        (False, False, False, False),
+        (False, True, False, False),
+        (True, True, False, False),
+        (True, False, True, True),
+        (False, False, True, False),
+        (False, False, True, True),
+    ],
 )
 def test_triton_backend_small_batches_take_the_gemv_kernel(
-    tiny_llama_dir, monkeypatch, fuse_decode, fuse_gate_silu, preload
+    tiny_llama_dir, monkeypatch, fuse_decode, fuse_gate_silu, preload, rope
 ):
     """Batch-1 steps run every projection through the GEMV kernel (with fuse_decode, the
-    norms, SiLU-and-mul and residual adds folded into it; with fuse_gate_silu, the SiLU-and-mul
-    into gate_up's epilogue; with preload, each program's weights loaded at once), with the torch
-    backend's tokens and logits."""
+    norms, SiLU-and-mul and residual adds folded into it, and with rope the rotary and KV-cache
+    write into qkv_proj's epilogue; with fuse_gate_silu, the SiLU-and-mul into gate_up's
+    epilogue; with preload, each program's weights loaded at once), with the torch backend's
+    tokens and logits."""
     from lantau.kernels import gemv
 
     calls = []
@@ -65,6 +73,7 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
         ops = llm.engine.core.runner.model.ops
         # the torch ops ignore these
         ops.fuse_decode, ops.fuse_gate_silu, ops.gemv_preload = fuse_decode, fuse_gate_silu, preload
+        ops.fuse_qkv_rope = rope
         tokens, logits = [], []
         for n in (1, 3):  # one request alone, then three together
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params)
@@ -73,7 +82,16 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
         results[backend] = (tokens, logits)
     assert calls and {c[0] for c in calls} == {1}  # batch 1 only (ops.gemv_max_m)
     fusions = {c[1:] for c in calls}  # per layer: qkv and gate_up after a norm, o and down
-    if fuse_decode:
+    if fuse_decode and rope and preload:
+        assert fusions == {
+            ("eps", "norm_weight", "preload", "rope"),  # qkv_proj
+            ("eps", "norm_weight", "preload"),  # gate_up_proj, lm_head
+            ("preload", "residual"),  # o_proj
+            ("preload", "residual", "silu"),  # down_proj
+        }
+    elif rope and preload:  # rotary and KV write in qkv_proj's epilogue, the norms apart
+        assert fusions == {("preload", "rope"), ("preload",)}
+    elif fuse_decode:
         assert fusions == {("eps", "norm_weight"), ("residual",), ("residual", "silu")}
     elif fuse_gate_silu:
         assert fusions == {(), ("gated",)}

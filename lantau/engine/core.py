@@ -48,30 +48,48 @@ def num_kv_blocks(config: EngineConfig, dtype: torch.dtype, peak_bytes: int) -> 
     return max(budget // per_block, 0)
 
 
-@torch.inference_mode()
-def profile_peak_bytes(config: EngineConfig, model, dtype: torch.dtype) -> int:
-    """Peak device memory of a worst-case step: a full token budget of prefill, logits and
-    sampling for max_num_seqs rows. Runs on a throwaway KV cache just large enough."""
-    device = torch.device(config.device)
-    if device.type != "cuda":
-        return 0
-    from lantau.runner.model_runner import ModelRunner, StepInputs
+def profile_inputs(config: EngineConfig):
+    """A worst-case step for profiling: a full token budget of prefill as max_model_len prompts
+    (the last one shorter), each on its own blocks from 0 up, and logits for max_num_seqs rows.
+    Returns (StepInputs, the number of KV blocks it covers)."""
+    from lantau.runner.model_runner import StepInputs
 
-    sched = config.scheduler
-    num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
-    num_blocks = cdiv(num_tokens, config.cache.block_size)
-    runner = ModelRunner(config, model, num_blocks, device)
-    positions = np.arange(num_tokens, dtype=np.int64)
+    sched, block_size = config.scheduler, config.cache.block_size
+    num_tokens = sched.max_num_batched_tokens
+    longest = min(num_tokens, sched.max_model_len)
+    lens = [longest] * (num_tokens // longest) + [num_tokens % longest] * bool(num_tokens % longest)
+    blocks = [cdiv(n, block_size) for n in lens]
+    first = np.cumsum([0, *blocks])[:-1]
+    block_tables = np.zeros((len(lens), max(blocks)), dtype=np.int32)
+    for i, (start, n) in enumerate(zip(first, blocks, strict=True)):
+        block_tables[i, :n] = np.arange(start, start + n)
     inputs = StepInputs(
         input_ids=np.zeros(num_tokens, dtype=np.int64),
-        positions=positions,
-        slot_mapping=positions.copy(),
-        query_start_loc=np.array([0, num_tokens], dtype=np.int32),
-        seq_lens=np.array([num_tokens], dtype=np.int32),
-        block_tables=np.arange(num_blocks, dtype=np.int32)[None, :],
+        positions=np.concatenate([np.arange(n, dtype=np.int64) for n in lens]),
+        slot_mapping=np.concatenate(
+            [
+                b * block_size + np.arange(n, dtype=np.int64)
+                for b, n in zip(first, lens, strict=True)
+            ]
+        ),
+        query_start_loc=np.cumsum([0, *lens]).astype(np.int32),
+        seq_lens=np.array(lens, dtype=np.int32),
+        block_tables=block_tables,
         sample_ids=[],
         logits_indices=np.full(min(sched.max_num_seqs, num_tokens), num_tokens - 1),
     )
+    return inputs, sum(blocks)
+
+
+@torch.inference_mode()
+def profile_peak_bytes(config: EngineConfig, model, dtype: torch.dtype) -> int:
+    """Peak device memory of a worst-case step (profile_inputs) with its sampling, less the
+    throwaway KV cache it runs on."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return 0
+    inputs, num_blocks = profile_inputs(config)
+    runner = ModelRunner(config, model, num_blocks, device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     logits = runner._forward_logits(inputs)
@@ -81,7 +99,7 @@ def profile_peak_bytes(config: EngineConfig, model, dtype: torch.dtype) -> int:
     peak = torch.cuda.max_memory_allocated(device)
     del runner, logits
     torch.cuda.empty_cache()
-    return peak
+    return peak - num_blocks * kv_cache_bytes_per_block(config, dtype)
 
 
 def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:

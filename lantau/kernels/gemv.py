@@ -9,6 +9,8 @@ to reduce. x (a few KB) stays in L1/L2.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -37,12 +39,64 @@ def _x_chunk(x_ptr, nw_ptr, k, offs_k, k_mask, K, NORM: tl.constexpr, SILU: tl.c
 
 
 @triton.jit
+def _rope_epilogue(
+    x1,  # [P] fp32: the pairs' first elements (dims d of the head)
+    x2,  # [P]: their partners (dims d + HEAD_DIM / 2)
+    d,  # [P] int: the pairs' dims within the head
+    head,  # the program's head among q, k, v heads
+    q_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    num_q_heads,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+):
+    """Store one head's slice of a token's qkv: q and k rotated (rotate-half, as
+    lantau/kernels/rotary.py), q to q_ptr, k and v to the token's cache slot (slot < 0 skips)."""
+    HALF_DIM: tl.constexpr = HEAD_DIM // 2
+    if head < num_q_heads + num_kv_heads:  # q or k: rotated
+        row = cos_sin_ptr + tl.load(pos_ptr) * HEAD_DIM
+        cos = tl.load(row + d)
+        sin = tl.load(row + HALF_DIM + d)
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if head < num_q_heads:
+        dst = q_ptr + head * HEAD_DIM + d
+        tl.store(dst, x1.to(q_ptr.dtype.element_ty))
+        tl.store(dst + HALF_DIM, x2.to(q_ptr.dtype.element_ty))
+    else:
+        slot = tl.load(slot_ptr)
+        kv_head = (head - num_q_heads) % num_kv_heads
+        offs = slot * (num_kv_heads * HEAD_DIM) + kv_head * HEAD_DIM + d
+        keep = (d >= 0) & (slot >= 0)  # [P]: the padding row (slot -1) stores nothing
+        out1 = x1.to(key_cache_ptr.dtype.element_ty)
+        out2 = x2.to(key_cache_ptr.dtype.element_ty)
+        if head < num_q_heads + num_kv_heads:
+            tl.store(key_cache_ptr + offs, out1, mask=keep)
+            tl.store(key_cache_ptr + offs + HALF_DIM, out2, mask=keep)
+        else:
+            tl.store(value_cache_ptr + offs, out1, mask=keep)
+            tl.store(value_cache_ptr + offs + HALF_DIM, out2, mask=keep)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K] ([1, 2K] when SILU)
     w_ptr,  # [N, K] row-major (nn.Linear's weight)
     b_ptr,  # [N] or a dummy when not HAS_BIAS
     y_ptr,  # [M, N]; the residual [1, N], updated in place, when RESIDUAL
     nw_ptr,  # [K] the RMSNorm weight when NORM, else a dummy
+    # ROPE: the token's position [1], cos/sin cache [max_pos, HEAD_DIM] fp32, key and value
+    # caches [num_slots, num_kv_heads, HEAD_DIM], its slot [1] (dummies when not ROPE)
+    pos_ptr,
+    cos_sin_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    num_q_heads,
+    num_kv_heads,
     N,
     K,
     eps,
@@ -55,6 +109,9 @@ def _gemv_kernel(
     SILU: tl.constexpr,  # y = W (silu(gate) * up) for x = [gate | up] (M == 1)
     RESIDUAL: tl.constexpr,  # y_ptr += W x, rounded as the unfused add (M == 1)
     GATED: tl.constexpr,  # y = silu(g) * u for [g | u] = W x: W is [gate; up], y N/2 wide
+    # W is qkv_proj: rotary on q and k, q stored to y ([1, q_size]), k and v to their cache slot
+    ROPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     M_PAD: tl.constexpr,  # M padded to a tensor-core tile (M > 1 only)
@@ -63,7 +120,15 @@ def _gemv_kernel(
     PRELOAD: tl.constexpr = False,  # batch 1, BLOCK_K >= K: see gemv's `preload`
 ):
     pid = tl.program_id(0)
-    if GATED:  # the program's BLOCK_N // 2 gate rows, then the matching up rows
+    if ROPE:  # BLOCK_N // 2 rotary pairs of one head: the rows d, then the rows d + HEAD_DIM / 2
+        HALF_PAIRS: tl.constexpr = BLOCK_N // 2
+        HALF_DIM: tl.constexpr = HEAD_DIM // 2
+        local = tl.arange(0, BLOCK_N)
+        head = pid * HALF_PAIRS // HALF_DIM  # one head a program (HEAD_DIM % BLOCK_N == 0)
+        offs_d = pid * HALF_PAIRS % HALF_DIM + local % HALF_PAIRS  # [BLOCK_N]: the pair's d
+        offs_n = head * HEAD_DIM + offs_d + (local // HALF_PAIRS) * HALF_DIM
+        n_mask = offs_n < N
+    elif GATED:  # the program's BLOCK_N // 2 gate rows, then the matching up rows
         HALF: tl.constexpr = BLOCK_N // 2
         local = tl.arange(0, BLOCK_N)
         offs_j = pid * HALF + local % HALF  # [BLOCK_N]: the output column of each row
@@ -103,7 +168,14 @@ def _gemv_kernel(
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         y = y.to(y_ptr.dtype.element_ty)
-        if GATED:  # rounded as the unfused product, then as silu_and_mul from fp32
+        if ROPE:  # rotated from the rounded product, as the unfused rotary kernel reads it
+            x1, x2 = tl.split(tl.trans(tl.reshape(y.to(tl.float32), (2, HALF_PAIRS))))
+            d = pid * HALF_PAIRS % HALF_DIM + tl.arange(0, HALF_PAIRS)
+            _rope_epilogue(
+                x1, x2, d, head, y_ptr, pos_ptr, cos_sin_ptr, key_cache_ptr, value_cache_ptr,
+                slot_ptr, num_q_heads, num_kv_heads, HEAD_DIM,
+            )  # fmt: skip
+        elif GATED:  # rounded as the unfused product, then as silu_and_mul from fp32
             gate, up = tl.split(tl.trans(tl.reshape(y.to(tl.float32), (2, HALF))))
             offs_out = pid * HALF + tl.arange(0, HALF)
             out = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
@@ -132,6 +204,33 @@ def _gemv_kernel(
         tl.store(
             y_ptr + y_offs, acc2.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :]
         )
+
+
+class Rope(NamedTuple):
+    """What gemv's `rope` epilogue needs besides the product: one token's position [1] (int64),
+    the cos/sin cache [max_position, head_dim] (fp32, lantau.model.ops.build_cos_sin_cache), the
+    layer's paged cache [2, num_blocks, block_size, num_kv_heads, head_dim] and the token's slot
+    [1] (int64; -1: nothing stored)."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def check(self, dtype: torch.dtype) -> None:
+        head_dim = self.kv_cache.shape[-1]
+        assert self.positions.shape == (1,) and self.positions.dtype == torch.int64, "positions"
+        assert self.slot_mapping.shape == (1,) and self.slot_mapping.dtype == torch.int64, "slot"
+        assert self.cos_sin_cache.dim() == 2 and self.cos_sin_cache.shape[1] == head_dim
+        assert self.cos_sin_cache.dtype == torch.float32 and self.cos_sin_cache.is_contiguous()
+        assert self.kv_cache.dim() == 5 and self.kv_cache.shape[0] == 2, "kv_cache layout"
+        assert self.kv_cache.is_contiguous() and self.kv_cache.dtype == dtype, "kv_cache"
+
+    def pointers(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.positions, self.cos_sin_cache, self.kv_cache[0], self.kv_cache[1],
+            self.slot_mapping,
+        )  # fmt: skip
 
 
 # preload: the longest row a program loads at once (BLOCK_N * 16384 over its threads); the
@@ -172,6 +271,7 @@ def gemv(
     silu: bool = False,
     residual: torch.Tensor | None = None,
     gated: bool = False,
+    rope: Rope | None = None,
     preload: bool = False,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for 1 to GEMV_MAX_M rows of x; fp32 accumulation.
@@ -184,7 +284,10 @@ def gemv(
     - `silu`: x is [gate | up] (2K wide), and the product is with silu(gate) * up;
     - `residual` ([1, N]): the result is added to it in place, and it is returned;
     - `gated`: weight is [gate; up] (N = 2d), and the result is silu(x gate^T) * (x up^T),
-      [1, d] (the SiLU-and-mul after the product, each program owning matching gate and up rows).
+      [1, d] (the SiLU-and-mul after the product, each program owning matching gate and up rows);
+    - `rope`: weight is qkv_proj ([q; k; v] heads), and the product's q and k are rotated
+      (rotate-half) at the token's position, k and v stored to the token's cache slot, and q
+      returned, [1, q_size] (each program owning a head's dims d and d + head_dim / 2).
     """
     # x: [M, K]; weight: [N, K]; bias: [N] -> [M, N]
     assert x.dim() == 2 and weight.dim() == 2, f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
@@ -200,19 +303,27 @@ def gemv(
     assert x.device == weight.device, f"x on {x.device}, weight on {weight.device}"
     if bias is not None:
         assert bias.shape == (n,) and bias.dtype == x.dtype, f"bias {tuple(bias.shape)}"
-    fused = norm_weight is not None or silu or residual is not None or gated
+    fused = norm_weight is not None or silu or residual is not None or gated or rope is not None
     assert m == 1 or not fused, f"the fusions serve batch 1, got {m} rows"
     assert not gated or (residual is None and n % 2 == 0), f"gated: N={n} must be even, no residual"
     assert norm_weight is None or not silu, "norm_weight and silu do not combine"
     if norm_weight is not None:
         assert norm_weight.shape == (k,), f"norm_weight {tuple(norm_weight.shape)}, K={k}"
         assert norm_weight.dtype == x.dtype, f"norm_weight {norm_weight.dtype}, x {x.dtype}"
+    head_dim = num_q_heads = num_kv_heads = 0
+    if rope is not None:
+        assert not gated and residual is None, "rope does not combine with gated or residual"
+        num_kv_heads, head_dim = rope.kv_cache.shape[3:]
+        num_q_heads = n // head_dim - 2 * num_kv_heads
+        assert n % head_dim == 0 and num_q_heads > 0, f"rope: N={n} is not q, k and v heads"
+        rope.check(x.dtype)
     if residual is not None:
         assert residual.shape == (1, n), f"residual {tuple(residual.shape)}, expected (1, {n})"
         assert residual.dtype == x.dtype and residual.stride(1) == 1, "residual dtype/stride"
         y = residual
     else:
-        y = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
+        width = num_q_heads * head_dim if rope else n // 2 if gated else n
+        y = torch.empty((m, width), dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = config or default_config(n, k)
     if preload:
         assert m == 1 and k <= PRELOAD_MAX_K, f"preload serves 1 row, K <= {PRELOAD_MAX_K}"
@@ -220,15 +331,20 @@ def gemv(
         block_k = triton.next_power_of_2(k)
     if m > 1:
         block_n = max(block_n, 16)  # a tensor-core tile's N
-    if gated:
-        block_n = max(block_n, 2)  # a gate row and its up row at least
+    if gated or rope:
+        block_n = max(block_n, 2)  # a gate row and its up row, or a rotary pair, at least
+    if rope:
+        block_n = min(block_n, head_dim)
+        assert head_dim % block_n == 0, f"rope: BLOCK_N={block_n} must divide head_dim {head_dim}"
     grid = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
     _gemv_kernel[(grid,)](
         x, weight, weight if bias is None else bias, y,
-        weight if norm_weight is None else norm_weight, n, k, eps,
+        weight if norm_weight is None else norm_weight,
+        *(rope.pointers() if rope else (weight,) * 5), num_q_heads, num_kv_heads, n, k, eps,
         x.stride(0), weight.stride(0), y.stride(0),
         M=m, HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU=silu,
-        RESIDUAL=residual is not None, GATED=gated, PRELOAD=preload, BLOCK_N=block_n,
+        RESIDUAL=residual is not None, GATED=gated, ROPE=rope is not None, HEAD_DIM=head_dim,
+        PRELOAD=preload, BLOCK_N=block_n,
         BLOCK_K=block_k,
         M_PAD=max(16, triton.next_power_of_2(m)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

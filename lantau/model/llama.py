@@ -62,19 +62,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
         # x: [num_tokens, hidden_size]
-        out = self.attend(ops.linear(x, self.qkv_proj), ctx, ops)
-        return ops.linear(out, self.o_proj)  # [num_tokens, hidden]
+        return ops.linear(self.attend(x, ctx, ops), self.o_proj)  # [num_tokens, hidden]
 
-    def attend(self, qkv: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
-        """Rotary, KV-cache write and attention of the qkv projection: [num_tokens, q_size]."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # strided views into the qkv output
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def attend(self, x: torch.Tensor, ctx: ForwardContext, ops: Ops, norm=None) -> torch.Tensor:
+        """The qkv projection of x (of norm(x), x the residual stream, when `norm` is given),
+        rotary, KV-cache write and attention: [num_tokens, q_size]."""
         kv_cache = ctx.kv_caches[self.layer_idx]
-        q = ops.rotary_and_write_kv(
-            q, k, v, ctx.positions, ctx.cos_sin_cache, kv_cache, ctx.attn.slot_mapping
-        )
+        q = ops.qkv_rotary_write_kv(
+            x, self.qkv_proj, self.num_heads, ctx.positions, ctx.cos_sin_cache, kv_cache,
+            ctx.attn.slot_mapping, norm=norm,
+        )  # fmt: skip
         return ops.attention(q, kv_cache, ctx.attn, self.scale).reshape(-1, self.q_size)
 
 
@@ -115,7 +112,7 @@ class LlamaDecoderLayer(nn.Module):
         """The same layer on the whole residual stream h, each norm folded into the projection
         after it and each residual add into the one before it (`ops.fuses`): returns the new h."""
         attn, mlp = self.self_attn, self.mlp
-        out = attn.attend(ops.norm_linear(h, self.input_layernorm, attn.qkv_proj), ctx, ops)
+        out = attn.attend(h, ctx, ops, norm=self.input_layernorm)
         h = ops.linear_add(out, attn.o_proj, h)
         gate_up = ops.norm_linear(h, self.post_attention_layernorm, mlp.gate_up_proj)
         return ops.silu_mul_linear_add(gate_up, mlp.down_proj, h)

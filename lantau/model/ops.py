@@ -18,6 +18,18 @@ def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Ten
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]: strided views of a qkv
+    projection's output [T, (num_heads + 2 num_kv_heads) head_dim]."""
+    kv_size = num_kv_heads * head_dim
+    q, k, v = qkv.split([num_heads * head_dim, kv_size, kv_size], dim=-1)
+    return (
+        q.view(-1, num_heads, head_dim),
+        k.view(-1, num_kv_heads, head_dim),
+        v.view(-1, num_kv_heads, head_dim),
+    )
+
+
 class _Compositions:
     """The model's composite ops, as both backends run them unfused; TritonOps runs them as one
     GEMV launch each at one row (`fuses`)."""
@@ -41,6 +53,18 @@ class _Compositions:
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         """silu_and_mul(layer(x)) for layer = gate_up_proj: [num_tokens, intermediate]."""
         return self.silu_and_mul(self.linear(x, layer))
+
+    def qkv_rotary_write_kv(
+        self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
+        slot_mapping, norm=None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The attention's input side: the qkv projection of x (of rms_norm(x), x the residual
+        stream, with `norm`), rotary on q and k, k and v to their cache slots:
+        q [num_tokens, num_heads, head_dim]."""
+        num_kv_heads, head_dim = kv_cache.shape[3:]
+        qkv = self.linear(x, layer) if norm is None else self.norm_linear(x, norm, layer)
+        q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        return self.rotary_and_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping)
 
 
 class TorchOps(_Compositions):
@@ -113,6 +137,9 @@ class TritonOps(_Compositions):
         self.use_gemv = True
         self.gemv_max_m = 1  # see lantau/kernels/gemv.py: faster than cuBLAS at 1 row only
         self.fuse_rope_kv = True
+        # batch 1: rotary and the KV-cache write in qkv_proj's GEMV epilogue (its norm folded
+        # in too with `fuse_decode`)
+        self.fuse_qkv_rope = False
         # batch 1: the norms, SiLU-and-mul and residual adds folded into the GEMVs (`fuses`).
         # NOTE: off: slower on the H200 (W2 decode graph 4.419 vs 4.229 ms, same run,
         # runs/2026-12-03-gpu_gemv-w2-fusions.log): each of a GEMV's many programs re-reads
@@ -167,6 +194,22 @@ class TritonOps(_Compositions):
         if self.fuses(x.shape[0]):
             return self._gemv_linear(x, layer, silu=True, residual=residual)
         return super().silu_mul_linear_add(x, layer, residual)
+
+    def qkv_rotary_write_kv(
+        self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
+        slot_mapping, norm=None,
+    ) -> torch.Tensor:  # fmt: skip
+        rows = x.shape[0]
+        if (
+            self.use_gemv and self.fuse_qkv_rope and rows == 1
+            and (norm is None or self.fuses(rows))
+        ):  # fmt: skip
+            rope = self._gemv.Rope(positions, cos_sin_cache, kv_cache, slot_mapping)
+            fusions = {} if norm is None else dict(norm_weight=norm.weight, eps=norm.eps)
+            return self._gemv_linear(x, layer, rope=rope, **fusions).view(1, num_heads, -1)
+        return super().qkv_rotary_write_kv(
+            x, layer, num_heads, positions, cos_sin_cache, kv_cache, slot_mapping, norm=norm
+        )
 
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         if self.use_gemv and self.fuse_gate_silu and x.shape[0] == 1:
