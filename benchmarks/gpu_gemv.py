@@ -153,11 +153,13 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
     today = {**{f: getattr(ops, f) for f in flags[:-1]}, "pdl": True}
     ops.preload_configs.update(BEST_PRELOAD)
     if PRELOAD:  # the engine as it is, then with the rotary and KV write in qkv_proj's
-        # GEMV epilogue, twice each. Measured before (runs/2026-12-03g-gemv_fused.log):
+        # GEMV epilogue. Measured before (runs/2026-12-03g-gemv_fused.log):
         # down_proj preloaded (4.142 vs 4.126 ms/token) and the norms / SiLU / adds folded
         # into the preloading GEMVs (4.185; 5.6 with down_proj preloaded), both slower
+        # then each split's first KV tile of decode attention loaded before the PDL wait
         rope = {**today, "fuse_qkv_rope": True}
-        variants = [today, rope, today, rope]
+        early = {**today, "attn_early_kv_rows": 8}
+        variants = [today, rope, early, {**rope, "attn_early_kv_rows": 8}, today]
     else:
         variants = [
             today,
@@ -174,6 +176,8 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
             setattr(ops, flag, variant[flag])
         ops.preload_max_k = variant.get("preload_max_k", 4096)
         key += "-down" if ops.gemv_preload and ops.preload_max_k > 4096 else ""
+        ops.attn_early_kv_rows = variant.get("attn_early_kv_rows", 0)
+        key += "-early_kv" if ops.attn_early_kv_rows else ""
         pdl.set_enabled(variant["pdl"])
         try:
             core.runner.capture_cuda_graphs()

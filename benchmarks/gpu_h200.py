@@ -231,10 +231,11 @@ def e2e_parity() -> None:
     runs = {}
     # triton-bs1: one prompt at a time, so decode steps take the fused batch-1 GEMV path
     # triton-bs1-preload: the same with the GEMVs' whole-slice preload (ops.gemv_preload);
-    # triton-bs1-fused: preloading down_proj too, with the norms, SiLU and adds folded in
+    # triton-bs1-new: with the rotary + KV write in qkv_proj's epilogue and decode attention's
+    # first KV tiles loaded before the PDL wait (fuse_qkv_rope, attn_early_kv_rows)
     variants = [("torch", True), ("triton", True), ("triton", False), ("triton-bs1", False)]
     if os.environ.get("PARITY_PRELOAD"):  # the batch-1 path alone, with preload and without
-        variants = [("torch", True), ("triton-bs1-preload", False), ("triton-bs1-fused", False)]
+        variants = [("torch", True), ("triton-bs1-preload", False), ("triton-bs1-new", False)]
     if os.environ.get("PARITY_FP32"):  # which of the bf16 runs is nearer fp32 truth?
         variants = [("torch", True), ("triton", True), ("torch-fp32", True)]
     if not torch.cuda.is_available():  # a CPU dry run of this stage's logic
@@ -252,12 +253,12 @@ def e2e_parity() -> None:
         )
         runner = llm.engine.core.runner
         one_at_a_time = "-bs1" in backend
-        if backend.endswith(("-preload", "-fused")):
+        if backend.endswith(("-preload", "-new")):
             runner.model.ops.gemv_preload = True
-        if backend.endswith("-fused"):  # down_proj preloaded, the norms / SiLU / adds folded in
-            runner.model.ops.preload_max_k = 16384
-            runner.model.ops.fuse_decode = True
-        if backend.endswith(("-preload", "-fused")) and not eager:
+        if backend.endswith("-new"):  # rotary + KV write in qkv_proj's epilogue, early KV loads
+            runner.model.ops.fuse_qkv_rope = True
+            runner.model.ops.attn_early_kv_rows = 8
+        if backend.endswith(("-preload", "-new")) and not eager:
             runner.capture_cuda_graphs()
 
         def generate(n, llm=llm, runner=runner, one=one_at_a_time):

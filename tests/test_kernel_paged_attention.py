@@ -125,7 +125,11 @@ def run_unified(b: dict) -> torch.Tensor:
 
 
 def run_decode(
-    b: dict, num_splits: int | None, merge_kernel: bool = False, heads_first: bool = False
+    b: dict,
+    num_splits: int | None,
+    merge_kernel: bool = False,
+    heads_first: bool = False,
+    early_kv: bool = False,
 ) -> torch.Tensor:
     out = torch.full_like(b["q"], float("nan"))
     pa.paged_decode_attention(
@@ -139,6 +143,7 @@ def run_decode(
         num_splits=num_splits,
         merge_kernel=merge_kernel,
         heads_first=heads_first,
+        early_kv=early_kv,
     )
     # the in-launch merge leaves its counters zeroed for the next launch (and graph replay)
     assert not pa._counters or not pa._counters[b["q"].device].any()
@@ -210,6 +215,10 @@ def test_paged_decode_attention_splits_agree(dtype, num_heads, num_kv_heads, hea
     # the grid in another order: the same programs
     for n in (1, 4):
         torch.testing.assert_close(run_decode(b, n, heads_first=True), outs[n], rtol=0, atol=0)
+    # each split's first tile loaded apart (before the PDL wait on the GPU), the last key after
+    # it: the same sums
+    for n in (1, 2, 3, 4):
+        torch.testing.assert_close(run_decode(b, n, early_kv=True), outs[n], rtol=0, atol=0)
     for out in outs.values():
         assert_matches(out, ref, dtype)
     if dtype == torch.float32:  # splitting changes only the order of fp32 sums
@@ -225,7 +234,10 @@ def test_paged_decode_attention_short_splits(monkeypatch):
         b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
     )
     for num_splits in (1, 2, 3, 4, 8):
-        assert_matches(run_decode(b, num_splits), ref, torch.float32)
+        out = run_decode(b, num_splits)
+        assert_matches(out, ref, torch.float32)
+        early = run_decode(b, num_splits, early_kv=True)  # first tiles loaded apart
+        torch.testing.assert_close(early, out, rtol=0, atol=0)
 
 
 def test_empty_context_writes_zeros():
@@ -237,9 +249,10 @@ def test_empty_context_writes_zeros():
     )
     assert ref[1].eq(0).all()
     for num_splits, merge_kernel in ((1, False), (4, False), (4, True)):
-        out = run_decode(b, num_splits, merge_kernel)
-        assert out[1].eq(0).all()
-        assert_matches(out, ref, torch.float32)
+        for early_kv in (False, True):
+            out = run_decode(b, num_splits, merge_kernel, early_kv=early_kv)
+            assert out[1].eq(0).all()
+            assert_matches(out, ref, torch.float32)
 
 
 def test_default_num_splits():

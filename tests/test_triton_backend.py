@@ -49,7 +49,8 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
 ):
     """Batch-1 steps run every projection through the GEMV kernel (with fuse_decode, the
     norms, SiLU-and-mul and residual adds folded into it, and with rope the rotary and KV-cache
-    write into qkv_proj's epilogue; with fuse_gate_silu, the SiLU-and-mul into gate_up's
+    write into qkv_proj's epilogue and decode attention's first KV tiles loaded apart; with
+    fuse_gate_silu, the SiLU-and-mul into gate_up's
     epilogue; with preload, each program's weights loaded at once), with the torch backend's
     tokens and logits."""
     from lantau.kernels import gemv
@@ -74,6 +75,7 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
         # the torch ops ignore these
         ops.fuse_decode, ops.fuse_gate_silu, ops.gemv_preload = fuse_decode, fuse_gate_silu, preload
         ops.fuse_qkv_rope = rope
+        ops.attn_early_kv_rows = 8 if rope else 0  # decode attention's first tiles apart too
         tokens, logits = [], []
         for n in (1, 3):  # one request alone, then three together
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params)

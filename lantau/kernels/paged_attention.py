@@ -101,11 +101,9 @@ def _attend_tile(
 ):
     """One online-softmax step over keys start_n .. start_n + BLOCK_N of a paged context."""
     offs_d = tl.arange(0, HEAD_DIM)
-    k_pos = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    k_valid = k_pos < key_end
-    block_ids = tl.load(table + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
-    # int64: block * stride_kv_block overflows int32 on large caches
-    slot = block_ids.to(tl.int64) * stride_kv_block + (k_pos % BLOCK_SIZE) * stride_kv_slot
+    k_pos, k_valid, slot = _tile_slots(
+        table, start_n, key_end, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N
+    )
     # [HEAD_DIM, BLOCK_N]; slots past key_end may hold garbage, even NaN: never loaded
     k = tl.load(k_base + slot[None, :] + offs_d[:, None], mask=k_valid[None, :], other=0.0)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [R, BLOCK_N]
@@ -113,13 +111,35 @@ def _attend_tile(
         # -inf, never a multiply by 0: 0 * NaN = NaN. NOTE: callers guarantee every row sees
         # a key in its first tile, so m_new is finite and m_i - m_new is never -inf - -inf
         s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, l_i, m_new = _softmax_step(s, l_i, m_i)
     v = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def _tile_slots(
+    table, start_n, key_end, stride_kv_block, stride_kv_slot,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Keys start_n .. start_n + BLOCK_N of a paged context: their positions, which lie before
+    key_end, and their cache offsets (block table lookups; 0 past key_end)."""
+    k_pos = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    k_valid = k_pos < key_end
+    block_ids = tl.load(table + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
+    # int64: block * stride_kv_block overflows int32 on large caches
+    slot = block_ids.to(tl.int64) * stride_kv_block + (k_pos % BLOCK_SIZE) * stride_kv_slot
+    return k_pos, k_valid, slot
+
+
+@triton.jit
+def _softmax_step(s, l_i, m_i):
+    """Online softmax over one tile's scores s [R, BLOCK_N] (log2 domain): the tile's weights,
+    the factor that rescales what came before, and the new running sum and max."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit
@@ -243,8 +263,12 @@ def _paged_decode_split_kernel(
     HEADS_FIRST: tl.constexpr,  # grid (kv heads, requests, splits) instead of (requests, ...)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not TF32
     USE_PDL: tl.constexpr,
+    # the split's first tile of keys and values read before pdl_wait, all but the step's own
+    # key (seq_len - 1), which the kernel before writes (see paged_decode_attention)
+    EARLY_KV: tl.constexpr = False,
 ):
-    pdl_wait(USE_PDL)
+    if not EARLY_KV:
+        pdl_wait(USE_PDL)
     if HEADS_FIRST:  # a request's kv heads launch together and read its cache blocks together
         kv_head = tl.program_id(0)
         req = tl.program_id(1)
@@ -262,31 +286,56 @@ def _paged_decode_split_kernel(
     head_mask = offs_h < GROUP
     o_offs = req.to(tl.int64) * stride_out_req + head[:, None] * stride_out_head + offs_d[None, :]
     if USE_SCRATCH and key_start >= key_end:
+        if EARLY_KV:
+            pdl_wait(USE_PDL)
         # empty split: the merge skips it, knowing split_len too; with no key at all
         # (seq_len 0, padding) split 0 writes the zeros
         if MERGE and seq_len == 0 and split == 0:
             zeros = tl.zeros([BLOCK_H, HEAD_DIM], out_ptr.dtype.element_ty)
             tl.store(out_ptr + o_offs, zeros, mask=head_mask[:, None])
         return
-    q_offs = req.to(tl.int64) * stride_q_req + head[:, None] * stride_q_head + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     k_base = kv_ptr + kv_head * stride_kv_head
     v_base = k_base + stride_kv_kv
     table = block_tables_ptr + req * stride_bt_req
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    first = key_start  # the first key the loops below attend to
+    if EARLY_KV:
+        k_pos, k_valid, slot = _tile_slots(
+            table, key_start, key_end, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N
+        )
+        old = k_pos < seq_len - 1  # [BLOCK_N]: keys of earlier steps, within the split
+        k = tl.load(
+            k_base + slot[None, :] + offs_d[:, None], mask=(old & k_valid)[None, :], other=0.0
+        )
+        v = tl.load(
+            v_base + slot[:, None] + offs_d[None, :], mask=(old & k_valid)[:, None], other=0.0
+        )
+        pdl_wait(USE_PDL)
+        new = k_valid & ~old  # the step's own key, if this split holds it
+        k_new = tl.load(k_base + slot[None, :] + offs_d[:, None], mask=new[None, :], other=0.0)
+        v_new = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=new[:, None], other=0.0)
+        k = tl.where(new[None, :], k_new, k)
+        v = tl.where(new[:, None], v_new, v)
+    q_offs = req.to(tl.int64) * stride_q_req + head[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
+    if EARLY_KV and key_start < key_end:  # the first tile, scores past key_end masked
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(k_valid[None, :], s, float("-inf"))
+        p, alpha, l_i, m_i = _softmax_step(s, l_i, m_i)
+        acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        first = key_start + BLOCK_N
     # whole tiles unmasked, then the split's last, partial tile (if any) masked to key_end;
     # a non-empty split's first tile has a valid key, as _attend_tile requires
     full_end = key_start + (key_end - key_start) // BLOCK_N * BLOCK_N
     last_pos = tl.full([BLOCK_H], key_end - 1, tl.int32)  # decode rows see the whole context
-    for start_n in range(key_start, full_end, BLOCK_N):
+    for start_n in range(first, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, full_end, scale_log2,
             stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
         )  # fmt: skip
-    for start_n in range(full_end, key_end, BLOCK_N):
+    for start_n in range(tl.maximum(full_end, first), key_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, key_end, scale_log2,
             stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
@@ -571,6 +620,7 @@ def paged_decode_attention(
     config: tuple[int, int, int] | None = None,
     merge_kernel: bool = False,
     heads_first: bool = False,
+    early_kv: bool = False,
 ) -> None:
     """Attention of one query per request over its whole cached context, into out.
 
@@ -583,6 +633,11 @@ def paged_decode_attention(
     (BLOCK_N, num_warps, num_stages) of the split kernel instead of the default (tuning).
     heads_first: launch a request's kv heads next to each other (a block of the cache holds
     all its heads' keys, so they read the same DRAM pages); under measurement.
+    early_kv: with PDL, each split's first tile of keys and values is loaded before the wait on
+    the previous kernel, all but each request's last key (seq_len - 1). Only for a decode step
+    whose kernels write no cache slot but each request's last key, on a stream where the step
+    began with a host-to-device copy (which waits for all earlier kernels), as the runner's
+    steps do: then the older slots, seq_lens and block_tables are final before the launch.
     """
     # q, out: [num_reqs, num_heads, head_dim]
     # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -640,6 +695,7 @@ def paged_decode_attention(
         HEADS_FIRST=heads_first,
         DOT_PRECISION=_dot_precision(q.dtype),
         **pdl.launch_options(q.device),
+        EARLY_KV=early_kv,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -155,6 +155,10 @@ class TritonOps(_Compositions):
         # 4.38 vs 4.32 TB/s at W3-1000's shape (runs/2026-12-03b-grid_order.log); in the engine
         # 22.70 / 22.35 ms a step on, 23.22 off in between (runs/2026-12-03c-w3_host.log)
         self.attn_heads_first = True
+        # decode-only steps of at most this many rows: each attention split's first tile of
+        # keys and values is loaded before the PDL wait (paged_decode_attention's early_kv);
+        # 0 (off) until measured
+        self.attn_early_kv_rows = 0
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         # batch 1, K <= preload_max_k: each GEMV program loads its whole weight slice
@@ -244,6 +248,7 @@ class TritonOps(_Compositions):
             self._attn.paged_decode_attention(
                 q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
                 merge_kernel=not self.fuse_attn_merge, heads_first=self.attn_heads_first,
+                early_kv=q.shape[0] <= self.attn_early_kv_rows,
             )  # fmt: skip
         else:
             self._attn.unified_attention(
