@@ -5,14 +5,15 @@
    intervals; PDL overlaps a kernel's start with its predecessor's end) against the replay.
 2. 20 steps of W2 generation in the engine under the profiler: what runs on the device
    between two replays, and for how long.
-3. W2 itself with the SiLU-and-mul in gate_up's GEMV epilogue and without (on, off, on; graphs
-   recaptured; greedy tokens checked against the first).
+3. With --silu-ab: W2 itself with the SiLU-and-mul in gate_up's GEMV epilogue and without (on,
+   off, on; graphs recaptured; greedy tokens checked against the first).
 
-    PYTHONPATH=. python3 benchmarks/gpu_w2_profile.py
+    PYTHONPATH=. python3 benchmarks/gpu_w2_profile.py [--silu-ab]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -43,6 +44,9 @@ def kernel_table(prof, steps: int) -> list[tuple[str, float, int]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--silu-ab", action="store_true")
+    silu_ab = parser.parse_args().silu_ab
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     llm = LLM("random:llama3-8b", max_model_len=1024, max_num_seqs=8)
     core = llm.engine.core
@@ -78,7 +82,7 @@ def main() -> None:
     ops = core.runner.model.ops
     check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
     ref_tokens = None
-    for gated in (True, False, True):
+    for gated in (True, False, True) if silu_ab else ():
         ops.fuse_gate_silu = gated
         core.runner.capture_cuda_graphs()
         graph_ms = replay_ms(batch1_graph(core.runner.graphs, 384, block_size), 50)
@@ -105,7 +109,7 @@ def main() -> None:
     print(f"| W2 engine, 20 steps | {e['span_ms'] / 20:.3f} ms a step | busy "
           f"{e['busy_ms_per_step']:.3f}, idle {e['idle_ms_per_step']:.3f}; outside the graph "
           f"{between:.1f} us a step in {n_ops} ops |")  # fmt: skip
-    for r in res["gate_silu_ab"]:
+    for r in res.get("gate_silu_ab", []):
         print(f"| W2, SiLU in gate_up's GEMV: {r['fuse_gate_silu']} | {r['ms_per_token']:.3f} "
               f"ms/token | graph bs1 at 384 keys {r['graph_ms']:.3f} ms; greedy tokens equal to "
               f"the first {r['tokens_equal']}/32 |")  # fmt: skip
