@@ -231,8 +231,8 @@ def e2e_parity() -> None:
     runs = {}
     # triton-bs1: one prompt at a time, so decode steps take the fused batch-1 GEMV path
     # triton-bs1-preload: the same with the GEMVs' whole-slice preload (ops.gemv_preload);
-    # triton-bs1-new: with the rotary + KV write in qkv_proj's epilogue and decode attention's
-    # first KV tiles loaded before the PDL wait (fuse_qkv_rope, attn_early_kv_rows)
+    # (early KV loads off); triton-bs1-new: with decode attention's first KV tiles loaded before
+    # the PDL wait (attn_early_kv_rows)
     variants = [("torch", True), ("triton", True), ("triton", False), ("triton-bs1", False)]
     if os.environ.get("PARITY_PRELOAD"):  # the batch-1 path alone, with preload and without
         variants = [("torch", True), ("triton-bs1-preload", False), ("triton-bs1-new", False)]
@@ -255,8 +255,8 @@ def e2e_parity() -> None:
         one_at_a_time = "-bs1" in backend
         if backend.endswith(("-preload", "-new")):
             runner.model.ops.gemv_preload = True
-        if backend.endswith("-new"):  # rotary + KV write in qkv_proj's epilogue, early KV loads
-            runner.model.ops.fuse_qkv_rope = True
+            runner.model.ops.attn_early_kv_rows = 0
+        if backend.endswith("-new"):  # decode attention's first KV tiles before the PDL wait
             runner.model.ops.attn_early_kv_rows = 8
         if backend.endswith(("-preload", "-new")) and not eager:
             runner.capture_cuda_graphs()

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-prompts", type=int, default=None, help="prompts the peer runs")
     p.add_argument("--max-num-seqs", type=int, default=None, help="W3: 384, else 256")
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="W3: 32768, else the engine's"
+        "--max-num-batched-tokens", type=int, default=None, help="W3: 65536, else the engine's"
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")

@@ -45,8 +45,8 @@ def test_engine_sizes_per_workload():
     """W3 rows default to the sizes the H200 runs settled on; given sizes always win."""
     from lantau.bench.offline import engine_sizes
 
-    assert engine_sizes("W3-1000", None, None) == (384, 32768)
-    assert engine_sizes("W3-128", 128, None) == (128, 32768)
+    assert engine_sizes("W3-1000", None, None) == (384, 65536)
+    assert engine_sizes("W3-128", 128, None) == (128, 65536)
     assert engine_sizes("W3-2048", None, 8192) == (384, 8192)
     assert engine_sizes("W2", None, None) == (256, None)
     assert engine_sizes("in:24/out:6", 8, 64) == (8, 64)

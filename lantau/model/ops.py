@@ -138,7 +138,9 @@ class TritonOps(_Compositions):
         self.gemv_max_m = 1  # see lantau/kernels/gemv.py: faster than cuBLAS at 1 row only
         self.fuse_rope_kv = True
         # batch 1: rotary and the KV-cache write in qkv_proj's GEMV epilogue (its norm folded
-        # in too with `fuse_decode`)
+        # in too with `fuse_decode`). NOTE: off: no measurable gain on the H200 (W2 4.070 vs
+        # 4.085, graph 3.986 vs 3.990; with early KV loads 4.006 vs 4.002, same run,
+        # runs/2026-12-03h-gemv_ab.log)
         self.fuse_qkv_rope = False
         # batch 1: the norms, SiLU-and-mul and residual adds folded into the GEMVs (`fuses`).
         # NOTE: off: slower on the H200 (W2 decode graph 4.419 vs 4.229 ms, same run,
@@ -156,9 +158,10 @@ class TritonOps(_Compositions):
         # 22.70 / 22.35 ms a step on, 23.22 off in between (runs/2026-12-03c-w3_host.log)
         self.attn_heads_first = True
         # decode-only steps of at most this many rows: each attention split's first tile of
-        # keys and values is loaded before the PDL wait (paged_decode_attention's early_kv);
-        # 0 (off) until measured
-        self.attn_early_kv_rows = 0
+        # keys and values is loaded before the PDL wait (paged_decode_attention's early_kv).
+        # W2 4.002 vs 4.085 / 4.086 ms/token, graph 3.898 vs 3.990 ms, same run
+        # (runs/2026-12-03h-gemv_ab.log); measured at 1 row, 2-8 by analogy (latency-bound)
+        self.attn_early_kv_rows = 8
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         # batch 1, K <= preload_max_k: each GEMV program loads its whole weight slice
