@@ -1,9 +1,10 @@
 """cuBLAS (F.linear) on llama3-8b's projections at a decode step's row counts against large M.
 
-W3-1000's decode steps run the projections at M = 384 (375 rows padded to the CUDA-graph
-bucket). At that M the tile grid is small against 132 SMs (qkv at 128 x 256 tiles: 72 tiles),
-so the rate may sit well below the large-M rate: this measures by how much, per projection,
-as the lead for a persistent / stream-K GEMM. Each shape runs 8 weight copies in a row inside a
+W3-1000's decode steps run the projections at M = 376 (375 rows padded to the CUDA-graph
+bucket, a multiple of 8). At such M the tile grid is small against 132 SMs (qkv at 128 x 256
+tiles: 72 tiles), so the rate may sit below the large-M rate: this measures by how much, per
+projection, as the lead for a persistent / stream-K GEMM (H200, runs/2026-12-03h-gemm_rows.log:
+80-95 % of the large-M rate at 376). Each shape runs 8 weight copies in a row inside a
 CUDA graph (no L2 reuse of weights, no launch gaps); a check against fp32 guards the shapes.
 
     PYTHONPATH=. python3 benchmarks/gpu_gemm_rows.py

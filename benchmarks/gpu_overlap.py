@@ -170,7 +170,10 @@ def sync_check(llm) -> None:
 
 
 def timeline(core):
-    """Wrap core.step: per call, its wall time and what the scheduler put in it."""
+    """Wrap core.step: per scheduled step, what the scheduler put in it and the wall time of
+    the step() call that waited for it. Overlapped, call k schedules step k and waits for step
+    k - 1, so its time goes to step k - 1 (before 2026-12-03i it went to step k: a burst of
+    prefill steps lent its last step's time to the decode step after it)."""
     rows = []
     schedule, step = core.scheduler.schedule, core.step
 
@@ -184,7 +187,8 @@ def timeline(core):
         try:
             return step()
         finally:
-            rows[-1][2] = time.perf_counter() - t
+            waited = rows[-2] if core.async_scheduling and len(rows) > 1 else rows[-1]
+            waited[2] += time.perf_counter() - t
 
     core.scheduler.schedule, core.step = sched_wrapper, step_wrapper
 
