@@ -10,7 +10,8 @@
    time, same engine, same run, tokens and logits checked against the first.
 3. Optionally W3-1000 (--w3 N prompts) on the same engine (max_num_seqs from --max-num-seqs).
 
-    PYTHONPATH=. python3 benchmarks/gpu_gemv.py [--sweep] [--w3 1000] [--max-num-seqs 512]
+    PYTHONPATH=. python3 benchmarks/gpu_gemv.py [--sweep] [--preload] [--engine-only] [--w3 1000]
+        [--max-num-seqs 512]
 """
 
 from __future__ import annotations
@@ -157,9 +158,14 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         # down_proj preloaded (4.142 vs 4.126 ms/token) and the norms / SiLU / adds folded
         # into the preloading GEMVs (4.185; 5.6 with down_proj preloaded), both slower
         # then each split's first KV tile of decode attention loaded before the PDL wait
-        rope = {**today, "fuse_qkv_rope": True}
-        early = {**today, "attn_early_kv_rows": 8}
-        variants = [today, rope, early, {**rope, "attn_early_kv_rows": 8}, today]
+        # (runs/2026-12-03h-gemv_ab.log: early KV loads on since); now the greedy pick inside
+        # the CUDA graph on (as the engine is) and off, and early KV loads off
+        variants = [
+            today,
+            {**today, "greedy_in_graph": False},
+            {**today, "attn_early_kv_rows": 0},
+            today,
+        ]
     else:
         variants = [
             today,
@@ -176,11 +182,17 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
             setattr(ops, flag, variant[flag])
         ops.preload_max_k = variant.get("preload_max_k", 4096)
         key += "-down" if ops.gemv_preload and ops.preload_max_k > 4096 else ""
-        ops.attn_early_kv_rows = variant.get("attn_early_kv_rows", 0)
+        ops.attn_early_kv_rows = variant.get("attn_early_kv_rows", 8)
         key += "-early_kv" if ops.attn_early_kv_rows else ""
+        greedy_in_graph = variant.get("greedy_in_graph", True)
+        key += "-greedy_in_graph" if greedy_in_graph else ""
         pdl.set_enabled(variant["pdl"])
         try:
             core.runner.capture_cuda_graphs()
+            if not greedy_in_graph:  # recaptured without the argmax
+                core.runner.graphs.greedy_in_graph = False
+                core.runner.graphs.graphs.clear()
+                core.runner.graphs.capture()
         except Exception as e:  # e.g. PDL launches that graph capture refuses
             TABLE.append(f"| {key} | capture failed: {type(e).__name__} {str(e)[:200]} | |")
             print(TABLE[-1], flush=True)
@@ -224,11 +236,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--preload", action="store_true")
+    parser.add_argument("--engine-only", action="store_true", help="skip the kernel sweep")
     args = parser.parse_args()
     global SWEEP, PRELOAD
     SWEEP, PRELOAD = args.sweep, args.preload
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    best = sweep()
+    best = {} if args.engine_only else sweep()
     RESULTS["best_configs"] = {f"{n}x{k}": c for (n, k), c in best.items()}
     try:
         engine_runs(best, args.w3, args.max_num_seqs)

@@ -334,7 +334,7 @@ def decode_graph(llm) -> None:
     graphs = llm.engine.core.runner.graphs
     out = {}
     for bs, seq in ((1, 1), (1, 384), (1, 640), (64, 1), (256, 1), (256, 1100), (256, 1500)):
-        graph, _ = graphs.graphs[bs]
+        graph = graphs.graphs[bs][0]
         nblk = -(-seq // 16)
         graphs.seq_lens[:bs].fill_(seq)
         # distinct blocks per row, as real requests have

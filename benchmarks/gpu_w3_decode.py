@@ -42,7 +42,7 @@ def main() -> None:
             pdl.set_enabled(use_pdl)
             runner.capture_cuda_graphs()
             graphs = runner.graphs
-            graph, _ = graphs.graphs[BS]
+            graph = graphs.graphs[BS][0]
             graphs.slot_mapping[:BS].fill_(-1)
             graphs.seq_lens[:BS].fill_(1)
             base = replay_ms(graph, 20)

@@ -1,6 +1,7 @@
 """The CUDA graphs' forward pass, run on CPU without capture: what a replay computes from the
 staged buffers (two copies, padding rows, input tokens picked on the device from the previous
-step's samples) gives the eager step's logits, step after step of an overlapped run."""
+step's samples) gives the eager step's logits, step after step of an overlapped run, and its
+greedy pick each row's argmax."""
 
 from __future__ import annotations
 
@@ -32,7 +33,13 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
         if graphs.can_run(inputs):
             bs = graphs.bucket(inputs.num_reqs)
             graphs.stage(inputs, bs)
-            replayed = graphs._forward(bs)
+            before = runner.prev_token_ids.clone()
+            replayed, greedy = graphs._step(bs)
+            # the graph's greedy pick: each row's argmax, left in prev_token_ids for the next
+            # step (restored here: the eager pass below reads this step's inputs from it)
+            assert torch.equal(greedy, replayed.argmax(dim=-1))
+            assert torch.equal(runner.prev_token_ids[:bs], greedy)
+            runner.prev_token_ids.copy_(before)
             checked.append((inputs.num_reqs, bs, len(inputs.pending_rows)))
         # the eager pass recomputes the step: same KV slots, same values (padding writes none)
         logits = eager_forward(inputs)

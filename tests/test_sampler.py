@@ -64,6 +64,29 @@ def test_greedy_rows_mixed_with_sampled_rows() -> None:
             assert not torch.equal(gens[i].get_state(), states[i])
 
 
+def test_greedy_takes_a_pick_made_already_only_when_it_applies() -> None:
+    """The CUDA graph's argmax (greedy_ids) is the token_ids of an all-greedy batch without
+    penalties, the same tensor (the runner then skips its copy); any other batch samples
+    from the logits as usual."""
+    logits = torch.randn(4, 30, generator=seeded(3))
+    picked = logits.argmax(dim=-1)
+    rows = [make_row(temperature=0.0) for _ in range(4)]
+    pending = Sampler().sample(logits, rows, greedy_ids=picked)
+    assert pending.token_ids is picked
+    assert pending.resolve().token_ids == picked.tolist()
+    wrong = torch.zeros(4, dtype=torch.long)  # were it used, these rows would come out 0
+    penalized = [make_row(temperature=0.0, output=[int(t)], repetition_penalty=5.0) for t in picked]
+    for batch in (penalized, [*rows[:2], make_row(seeded(1), temperature=1.0, top_k=1), rows[3]]):
+        pending = Sampler().sample(logits, batch, greedy_ids=wrong)
+        assert pending.token_ids is not wrong
+    out = Sampler().sample(
+        logits,
+        rows[:2] + [make_row(seeded(1), temperature=1.0, top_k=1)] + rows[3:],
+        greedy_ids=wrong,
+    )
+    assert out.resolve().token_ids == picked.tolist()  # top_k=1 samples the argmax too
+
+
 # --- seeded reproducibility ---------------------------------------------------------------
 
 

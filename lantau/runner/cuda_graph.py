@@ -8,7 +8,9 @@ A step's inputs reach the device in two copies: one int64 buffer (input ids, pos
 and for each row whose input token the previous step sampled on the device, that token's row
 in the runner's `prev_token_ids`, else -1) and one int32 buffer (sequence lengths, then block
 tables), staged in pinned host memory, padding rows included. The graph itself picks each
-row's input token from `prev_token_ids` or the host's ids, so nothing else runs between replays.
+row's input token from `prev_token_ids` or the host's ids, and ends with the greedy pick of
+each row (written to `prev_token_ids` too): for an all-greedy batch the sampler takes it, so
+only the copy of the ids to the host runs between replays.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lantau.config import EngineConfig
 from lantau.kv_cache.manager import cdiv
 from lantau.model.llama import LlamaForCausalLM
 from lantau.runner.attention import AttentionMetadata, ForwardContext
+from lantau.sampling.sampler import argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +78,10 @@ class CudaGraphRunner:
         ]  # fmt: skip
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, its logits [bs, vocab], its greedy ids [bs] or None)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        # the greedy pick inside the graph (see the module docstring); off: sampled after it
+        self.greedy_in_graph = True
 
     def can_run(self, inputs) -> bool:
         return inputs.max_query_len == 1 and inputs.num_reqs <= self.max_bs
@@ -98,6 +104,16 @@ class CudaGraphRunner:
         )
         hidden = self.model(input_ids, ctx)
         return self.model.compute_logits(hidden)  # [bs, vocab_size]
+
+    def _step(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a graph runs: the logits, and (greedy_in_graph) each row's argmax, also written
+        to prev_token_ids for the next step (a sampler that picks otherwise overwrites it)."""
+        logits = self._forward(bs)
+        if not self.greedy_in_graph:
+            return logits, None
+        token_ids = argmax_rows(logits)  # [bs]
+        self.prev_token_ids[:bs].copy_(token_ids)
+        return logits, token_ids
 
     def bucket(self, num_reqs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_reqs)]
@@ -137,20 +153,21 @@ class CudaGraphRunner:
         self.pending_src.fill_(-1)
         pool = None
         for bs in reversed(self.batch_sizes):
-            self._forward(bs)  # warm-up: compiles kernels, settles the allocator
+            self._step(bs)  # warm-up: compiles kernels, settles the allocator
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(bs)
+                logits, token_ids = self._step(bs)
             pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
+            self.graphs[bs] = (graph, logits, token_ids)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for batch sizes %s", self.batch_sizes)
 
-    def run(self, inputs) -> torch.Tensor:
-        """Logits [bucket, vocab]; the first inputs.num_reqs rows are real."""
+    def run(self, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [bucket, vocab] and the greedy ids [bucket] (or None); the first
+        inputs.num_reqs rows are real."""
         bs = self.bucket(inputs.num_reqs)
         self.stage(inputs, bs)
-        graph, logits = self.graphs[bs]
+        graph, logits, token_ids = self.graphs[bs]
         graph.replay()
-        return logits
+        return logits, token_ids

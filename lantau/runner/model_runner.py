@@ -96,6 +96,9 @@ class LaunchedStep:
     sample_ids: list[str] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [num_sample, vocab_size]
     sampled: PendingSample | None = None  # once sample() has queued it
+    # [num_sample] each row's argmax, picked (and written to prev_token_ids) inside the CUDA
+    # graph; None after an eager forward
+    greedy_ids: torch.Tensor | None = None
 
 
 def kv_cache_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
@@ -247,9 +250,7 @@ class ModelRunner:
         return input_ids, ctx
 
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits of the sampling rows: [num_sample, vocab_size]."""
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs)[: len(inputs.sample_ids)]
+        """Logits of the sampling rows, eagerly: [num_sample, vocab_size]."""
         input_ids, ctx = self._to_device(inputs)
         hidden = self.model(input_ids, ctx)
         indices = to_device(inputs.logits_indices, self.device)
@@ -268,10 +269,16 @@ class ModelRunner:
         if out.is_empty:
             return LaunchedStep()
         inputs = self._prepare_inputs(out)
-        logits = self._forward_logits(inputs)
+        num_sample, greedy_ids = len(inputs.sample_ids), None
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            logits, greedy_ids = self.graphs.run(inputs)
+            logits = logits[:num_sample]
+            greedy_ids = None if greedy_ids is None else greedy_ids[:num_sample]
+        else:
+            logits = self._forward_logits(inputs)
         if not inputs.sample_ids:
             return LaunchedStep()
-        return LaunchedStep(inputs.sample_ids, logits)
+        return LaunchedStep(inputs.sample_ids, logits, greedy_ids=greedy_ids)
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep) -> None:
@@ -295,9 +302,10 @@ class ModelRunner:
                     output_token_ids=state.token_ids[n:] if history else [],
                 )
             )
-        step.sampled = self.sampler.sample(step.logits, rows)
+        step.sampled = self.sampler.sample(step.logits, rows, greedy_ids=step.greedy_ids)
         self._prev_rows = {request_id: i for i, request_id in enumerate(step.sample_ids)}
-        self.prev_token_ids[: len(rows)].copy_(step.sampled.token_ids)
+        if step.sampled.token_ids is not step.greedy_ids:  # else the graph wrote them there
+            self.prev_token_ids[: len(rows)].copy_(step.sampled.token_ids)
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for the step's token ids and append them to the requests' histories."""

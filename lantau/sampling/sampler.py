@@ -271,8 +271,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).resolve()
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
-        """Queue the sampling of one token per row; nothing here waits for the device."""
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], greedy_ids: torch.Tensor | None = None
+    ) -> PendingSample:
+        """Queue the sampling of one token per row; nothing here waits for the device.
+        greedy_ids: each row's argmax of these logits if already picked (the CUDA graph's);
+        an all-greedy batch without penalties takes it as its token_ids, the same tensor."""
         # logits: [num_rows, vocab_size], any float dtype
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per row"
         device = logits.device
@@ -280,7 +284,8 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not sampled and not any(uses_penalties(r.params) for r in rows):
             # argmax of the logits as they are: a float32 copy orders (and ties) the same
-            return self._pending(logits, rows, argmax_rows(logits))
+            token_ids = argmax_rows(logits) if greedy_ids is None else greedy_ids
+            return self._pending(logits, rows, token_ids)
         penalized = apply_penalties(logits, rows)  # [num_rows, vocab_size] float32
         if not sampled:
             token_ids = argmax_rows(penalized)  # [num_rows]
