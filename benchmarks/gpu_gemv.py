@@ -158,11 +158,12 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         # down_proj preloaded (4.142 vs 4.126 ms/token) and the norms / SiLU / adds folded
         # into the preloading GEMVs (4.185; 5.6 with down_proj preloaded), both slower
         # then each split's first KV tile of decode attention loaded before the PDL wait
-        # (runs/2026-12-03h-gemv_ab.log: early KV loads on since); now the greedy pick inside
-        # the CUDA graph on (as the engine is) and off, and early KV loads off
+        # (runs/2026-12-03h-gemv_ab.log: early KV loads on since); then the greedy pick inside
+        # the CUDA graph (runs/2026-12-03k-w2_greedy_ab.log: no gain, off since), and early KV
+        # loads off
         variants = [
             today,
-            {**today, "greedy_in_graph": False},
+            {**today, "greedy_in_graph": True},
             {**today, "attn_early_kv_rows": 0},
             today,
         ]
@@ -184,13 +185,13 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         key += "-down" if ops.gemv_preload and ops.preload_max_k > 4096 else ""
         ops.attn_early_kv_rows = variant.get("attn_early_kv_rows", 8)
         key += "-early_kv" if ops.attn_early_kv_rows else ""
-        greedy_in_graph = variant.get("greedy_in_graph", True)
+        greedy_in_graph = variant.get("greedy_in_graph", False)
         key += "-greedy_in_graph" if greedy_in_graph else ""
         pdl.set_enabled(variant["pdl"])
         try:
             core.runner.capture_cuda_graphs()
-            if not greedy_in_graph:  # recaptured without the argmax
-                core.runner.graphs.greedy_in_graph = False
+            if greedy_in_graph:  # recaptured with the argmax
+                core.runner.graphs.greedy_in_graph = True
                 core.runner.graphs.graphs.clear()
                 core.runner.graphs.capture()
         except Exception as e:  # e.g. PDL launches that graph capture refuses
