@@ -159,12 +159,13 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         # into the preloading GEMVs (4.185; 5.6 with down_proj preloaded), both slower
         # then each split's first KV tile of decode attention loaded before the PDL wait
         # (runs/2026-12-03h-gemv_ab.log: early KV loads on since); then the greedy pick inside
-        # the CUDA graph (runs/2026-12-03k-w2_greedy_ab.log: no gain, off since), and early KV
-        # loads off
+        # the CUDA graph (runs/2026-12-03k-w2_greedy_ab.log: no gain, off since)
+        # and the sampler's one-launch argmax kernel (lantau/kernels/argmax.py)
         variants = [
             today,
+            {**today, "argmax_kernel": True},
             {**today, "greedy_in_graph": True},
-            {**today, "attn_early_kv_rows": 0},
+            {**today, "argmax_kernel": True},
             today,
         ]
     else:
@@ -187,6 +188,8 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         key += "-early_kv" if ops.attn_early_kv_rows else ""
         greedy_in_graph = variant.get("greedy_in_graph", False)
         key += "-greedy_in_graph" if greedy_in_graph else ""
+        core.runner.sampler.argmax_kernel = variant.get("argmax_kernel", False)
+        key += "-argmax_kernel" if core.runner.sampler.argmax_kernel else ""
         pdl.set_enabled(variant["pdl"])
         try:
             core.runner.capture_cuda_graphs()

@@ -267,6 +267,16 @@ class Sampler:
         # draws the exponential noise of rows without their own generator
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        # greedy rows on CUDA through the one-launch kernel (lantau/kernels/argmax.py) instead
+        # of argmax_rows' five launches; off until measured on the GPU
+        self.argmax_kernel = False
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.argmax_kernel and logits.device.type == "cuda":
+            from lantau.kernels.argmax import argmax
+
+            return argmax(logits)
+        return argmax_rows(logits)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).resolve()
@@ -284,11 +294,11 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not sampled and not any(uses_penalties(r.params) for r in rows):
             # argmax of the logits as they are: a float32 copy orders (and ties) the same
-            token_ids = argmax_rows(logits) if greedy_ids is None else greedy_ids
+            token_ids = self._argmax(logits) if greedy_ids is None else greedy_ids
             return self._pending(logits, rows, token_ids)
         penalized = apply_penalties(logits, rows)  # [num_rows, vocab_size] float32
         if not sampled:
-            token_ids = argmax_rows(penalized)  # [num_rows]
+            token_ids = self._argmax(penalized)  # [num_rows]
         elif not greedy:
             token_ids = self._sample(penalized, rows)
         else:

@@ -1,0 +1,92 @@
+"""Greedy pick in one launch: each row's argmax (the first index among equal maxima).
+
+torch's argmax gives a row to one program; the two-stage torch version in the sampler spreads a
+row over the SMs but takes five launches, about 60 us at batch 1 on an H200 for llama3's 128k
+logits (benchmarks/runs/2026-12-03k-w2_greedy_ab.log), 1.5 % of a W2 token. Here a row's
+chunks run as separate programs; each packs its chunk's maximum and index into one int64
+ordered like (value, -index) and folds it into the row's slot with an atomic max; the row's last
+program (an atomic counter) unpacks the winner and leaves slot and counter reset for the next
+launch (so CUDA graphs can replay it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096  # logits a program reads
+_MAX_ROWS = 4096
+_scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_EMPTY = -(2**63)  # a slot's value between launches: below every packed key
+
+
+@triton.jit
+def _argmax_kernel(
+    logits_ptr,  # [R, V]
+    out_ptr,  # [R] int64
+    best_ptr,  # [>= R] int64 scratch, _EMPTY between launches
+    count_ptr,  # [>= R] int32 scratch, 0 between launches
+    V,
+    stride_row,
+    num_chunks,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < V
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=float("-inf"))
+    x = x.to(tl.float32)
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0, as in torch
+    top = tl.max(x, axis=0)
+    index = tl.min(tl.where((x == top) & mask, offs, V), axis=0)  # the first of the maxima
+    # float order as signed int32 order: negatives' magnitude bits flipped
+    bits = top.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    # high word the value, low word 2**32 - 1 - index: a larger packed key is a larger value,
+    # or the same value at a smaller index
+    low = tl.full([], 4294967295, tl.int64)  # 2**32 - 1
+    packed = (key.to(tl.int64) << 32) | (low - index.to(tl.int64))
+    tl.atomic_max(best_ptr + row, packed, sem="relaxed")
+    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == num_chunks - 1:
+        empty = tl.full([], -9223372036854775808, tl.int64)
+        winner = tl.atomic_xchg(best_ptr + row, empty, sem="relaxed")
+        tl.atomic_xchg(count_ptr + row, 0, sem="relaxed")
+        tl.store(out_ptr + row, low - (winner & low))
+
+
+def _buffers(device: torch.device, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots and counters: one reset pair per device, allocated once (CUDA graphs keep
+    their addresses) and left reset by every launch."""
+    assert num_rows <= _MAX_ROWS, f"{num_rows} rows in one launch"
+    if device not in _scratch:
+        _scratch[device] = (
+            torch.full((_MAX_ROWS,), _EMPTY, dtype=torch.int64, device=device),
+            torch.zeros(_MAX_ROWS, dtype=torch.int32, device=device),
+        )
+    return _scratch[device]
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) for [R, V] logits (fp32, fp16, bf16; last dim contiguous) in one
+    launch: [R] int64. Rows holding NaN give an unspecified index (torch gives the NaN's)."""
+    assert logits.dim() == 2 and logits.stride(1) == 1, f"logits {tuple(logits.shape)}"
+    assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16), f"{logits.dtype}"
+    num_rows, vocab_size = logits.shape
+    assert 0 < vocab_size < 2**31, f"vocab_size {vocab_size}"
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
+    best, count = _buffers(logits.device, num_rows)
+    num_chunks = triton.cdiv(vocab_size, BLOCK)
+    _argmax_kernel[(num_rows, num_chunks)](
+        logits, out, best, count, vocab_size, logits.stride(0), num_chunks, BLOCK=BLOCK,
+        num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+    """Torch reference: the first index of each row's maximum."""
+    return logits.float().argmax(dim=-1)

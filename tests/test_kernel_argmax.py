@@ -1,0 +1,53 @@
+"""The one-launch argmax kernel against torch.argmax on CPU through the Triton interpreter:
+rows over several chunks (ragged last chunk), ties within and across chunks (the first index
+wins), negative rows, -0.0 against +0.0, every dtype, and launches back to back (the scratch
+left reset each time, as CUDA graph replays need)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lantau.kernels import argmax as am  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 10000), (3, 4096), (5, 777), (2, 3 * 4096 + 1)])
+def test_argmax_matches_torch(dtype, rows, vocab):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    # row 0: its maximum twice, in different chunks when there are several: the first wins
+    top = logits[0].float().max() + 1
+    logits[0, vocab - 1] = logits[0, vocab // 3] = top
+    if rows > 1:  # all negative
+        logits[1] = -logits[1].abs() - 1
+    if rows > 2:  # all equal: index 0
+        logits[2] = 0.5
+    for _ in range(2):  # the second launch finds the scratch reset by the first
+        out = am.argmax(logits)
+        assert out.dtype == torch.int64 and out.shape == (rows,)
+        assert torch.equal(out, am.argmax_ref(logits)), (out, am.argmax_ref(logits))
+    assert out[0] == vocab // 3
+    best, count = am._scratch[logits.device]
+    assert (best == am._EMPTY).all() and (count == 0).all()
+
+
+def test_argmax_signed_zeros_tie_like_torch():
+    logits = torch.full((2, 50), -1.0)
+    logits[0, 7], logits[0, 3] = 0.0, -0.0  # equal maxima: the first index, 3
+    logits[1, 40] = 2.0
+    assert am.argmax(logits).tolist() == logits.argmax(-1).tolist() == [3, 40]
+
+
+def test_argmax_of_a_strided_view_and_bad_inputs():
+    base = torch.randn(3, 300, generator=torch.Generator().manual_seed(1))
+    view = base[:, :200]  # rows 300 apart
+    assert torch.equal(am.argmax(view), view.argmax(-1))
+    with pytest.raises(AssertionError, match="logits"):
+        am.argmax(base.t())
+    with pytest.raises(AssertionError, match="int"):
+        am.argmax(torch.zeros(2, 5, dtype=torch.int32))
