@@ -120,20 +120,21 @@ def _gemv_kernel(
     PRELOAD: tl.constexpr = False,  # batch 1, BLOCK_K >= K: see gemv's `preload`
 ):
     pid = tl.program_id(0)
-    if ROPE:  # BLOCK_N // 2 rotary pairs of one head: the rows d, then the rows d + HEAD_DIM / 2
-        HALF_PAIRS: tl.constexpr = BLOCK_N // 2
-        HALF_DIM: tl.constexpr = HEAD_DIM // 2
+    HALF: tl.constexpr = BLOCK_N // 2
+    if GATED or ROPE:
+        # paired rows: the program's BLOCK_N // 2 rows, then each one's partner: a gate row's up
+        # row, or a rotary dim d's d + HEAD_DIM / 2 (all in one head: HEAD_DIM % BLOCK_N == 0)
         local = tl.arange(0, BLOCK_N)
-        head = pid * HALF_PAIRS // HALF_DIM  # one head a program (HEAD_DIM % BLOCK_N == 0)
-        offs_d = pid * HALF_PAIRS % HALF_DIM + local % HALF_PAIRS  # [BLOCK_N]: the pair's d
-        offs_n = head * HEAD_DIM + offs_d + (local // HALF_PAIRS) * HALF_DIM
-        n_mask = offs_n < N
-    elif GATED:  # the program's BLOCK_N // 2 gate rows, then the matching up rows
-        HALF: tl.constexpr = BLOCK_N // 2
-        local = tl.arange(0, BLOCK_N)
-        offs_j = pid * HALF + local % HALF  # [BLOCK_N]: the output column of each row
-        offs_n = offs_j + (local // HALF) * (N // 2)
-        n_mask = offs_j < N // 2
+        if ROPE:
+            head = pid * HALF // (HEAD_DIM // 2)
+            first = head * HEAD_DIM + pid * HALF % (HEAD_DIM // 2)  # the program's first row
+            partner = HEAD_DIM // 2
+        else:
+            first = pid * HALF
+            partner = N // 2
+        offs_j = first + local % HALF  # [BLOCK_N]: the first row of each row's pair
+        offs_n = offs_j + (local // HALF) * partner
+        n_mask = offs_n < N if ROPE else offs_j < N // 2
     else:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         n_mask = offs_n < N
@@ -168,17 +169,17 @@ def _gemv_kernel(
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         y = y.to(y_ptr.dtype.element_ty)
-        if ROPE:  # rotated from the rounded product, as the unfused rotary kernel reads it
-            x1, x2 = tl.split(tl.trans(tl.reshape(y.to(tl.float32), (2, HALF_PAIRS))))
-            d = pid * HALF_PAIRS % HALF_DIM + tl.arange(0, HALF_PAIRS)
+        if GATED or ROPE:  # rounded as the unfused product, then as the unfused kernel reads it
+            lo, hi = tl.split(tl.trans(tl.reshape(y.to(tl.float32), (2, HALF))))  # pairs' halves
+        if ROPE:
+            d = first % HEAD_DIM + tl.arange(0, HALF)  # the pairs' dims within the head
             _rope_epilogue(
-                x1, x2, d, head, y_ptr, pos_ptr, cos_sin_ptr, key_cache_ptr, value_cache_ptr,
+                lo, hi, d, head, y_ptr, pos_ptr, cos_sin_ptr, key_cache_ptr, value_cache_ptr,
                 slot_ptr, num_q_heads, num_kv_heads, HEAD_DIM,
             )  # fmt: skip
-        elif GATED:  # rounded as the unfused product, then as silu_and_mul from fp32
-            gate, up = tl.split(tl.trans(tl.reshape(y.to(tl.float32), (2, HALF))))
-            offs_out = pid * HALF + tl.arange(0, HALF)
-            out = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
+        elif GATED:  # silu_and_mul in fp32 of the gate (lo) and up (hi) rows
+            offs_out = first + tl.arange(0, HALF)
+            out = (lo * tl.sigmoid(lo) * hi).to(y_ptr.dtype.element_ty)
             tl.store(y_ptr + offs_out, out, mask=offs_out < N // 2)
         else:
             if RESIDUAL:  # the projection rounded, then the sum rounded: as x + residual

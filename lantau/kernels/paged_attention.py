@@ -133,6 +133,15 @@ def _tile_slots(
 
 
 @triton.jit
+def _load_kv(k_base, v_base, slot, offs_d, mask):
+    """A tile's keys [HEAD_DIM, BLOCK_N] and values [BLOCK_N, HEAD_DIM] at `slot` where mask,
+    else 0."""
+    k = tl.load(k_base + slot[None, :] + offs_d[:, None], mask=mask[None, :], other=0.0)
+    v = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _softmax_step(s, l_i, m_i):
     """Online softmax over one tile's scores s [R, BLOCK_N] (log2 domain): the tile's weights,
     the factor that rescales what came before, and the new running sum and max."""
@@ -306,16 +315,10 @@ def _paged_decode_split_kernel(
             table, key_start, key_end, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N
         )
         old = k_pos < seq_len - 1  # [BLOCK_N]: keys of earlier steps, within the split
-        k = tl.load(
-            k_base + slot[None, :] + offs_d[:, None], mask=(old & k_valid)[None, :], other=0.0
-        )
-        v = tl.load(
-            v_base + slot[:, None] + offs_d[None, :], mask=(old & k_valid)[:, None], other=0.0
-        )
+        k, v = _load_kv(k_base, v_base, slot, offs_d, old & k_valid)
         pdl_wait(USE_PDL)
         new = k_valid & ~old  # the step's own key, if this split holds it
-        k_new = tl.load(k_base + slot[None, :] + offs_d[:, None], mask=new[None, :], other=0.0)
-        v_new = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=new[:, None], other=0.0)
+        k_new, v_new = _load_kv(k_base, v_base, slot, offs_d, new)
         k = tl.where(new[None, :], k_new, k)
         v = tl.where(new[:, None], v_new, v)
     q_offs = req.to(tl.int64) * stride_q_req + head[:, None] * stride_q_head + offs_d[None, :]
