@@ -171,6 +171,10 @@ class TritonOps(_Compositions):
         self.gemv_preload = True
         self.preload_max_k = 4096  # down_proj's K = 14336 (gemv allows it) is not yet measured
         self.preload_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        # batch 1 with PDL: each GEMV's first wave of programs asks the copy engine for up to
+        # this many more bytes of its weight into L2 while it waits (gemv's l2_prefetch_bytes;
+        # 0: none). NOTE: off until measured on the H200
+        self.gemv_l2_prefetch_bytes = 0
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         if self.use_gemv and x.shape[0] <= self.gemv_max_m:
@@ -179,6 +183,7 @@ class TritonOps(_Compositions):
 
     def _gemv_linear(self, x, layer: torch.nn.Linear, **fusions) -> torch.Tensor:
         shape = tuple(layer.weight.shape)
+        fusions["l2_prefetch_bytes"] = self.gemv_l2_prefetch_bytes
         if self.gemv_preload and x.shape[0] == 1 and shape[1] <= self.preload_max_k:
             config = self.preload_configs.get(shape)
             return self._gemv.gemv(x, layer.weight, layer.bias, config, preload=True, **fusions)

@@ -86,6 +86,8 @@ class CudaGraphRunner:
         # the graph grows by the argmax's 60 us, what left the gap between replays; and a
         # sampled (not greedy) batch would pay for it on every step
         self.greedy_in_graph = False
+        # that pick through the one-launch argmax kernel (as the sampler's `argmax_kernel`)
+        self.argmax_kernel = False
 
     def can_run(self, inputs) -> bool:
         return inputs.max_query_len == 1 and inputs.num_reqs <= self.max_bs
@@ -115,7 +117,12 @@ class CudaGraphRunner:
         logits = self._forward(bs)
         if not self.greedy_in_graph:
             return logits, None
-        token_ids = argmax_rows(logits)  # [bs]
+        if self.argmax_kernel:
+            from lantau.kernels.argmax import argmax
+
+            token_ids = argmax(logits)  # [bs]
+        else:
+            token_ids = argmax_rows(logits)
         self.prev_token_ids[:bs].copy_(token_ids)
         return logits, token_ids
 
