@@ -160,22 +160,15 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         # then each split's first KV tile of decode attention loaded before the PDL wait
         # (runs/2026-12-03h-gemv_ab.log: early KV loads on since); then the greedy pick inside
         # the CUDA graph (runs/2026-12-03k-w2_greedy_ab.log: no gain, off since)
-        # and the sampler's one-launch argmax kernel (lantau/kernels/argmax.py), alone and
-        # with: the SiLU-and-mul in gate_up's epilogue (paired rows, preloaded), the first
-        # wave's L2 prefetch of later waves' rows (gemv's l2_prefetch_bytes) at 8/16/32 MB
-        fast = {**today, "argmax_kernel": True}
-        mb = 1 << 20
+        # and the sampler's one-launch argmax kernel and the SiLU-and-mul in gate_up's
+        # epilogue (runs/2026-12-03l-gemv_l2.log: both on since; the L2 prefetch of later
+        # waves' rows by the first wave, 2b26ac9, was slower: 4.204 / 4.323 at 16 / 32 MB);
+        # now the greedy pick inside the graph through the argmax kernel, and both off
         variants = [
             today,
-            fast,
-            {**fast, "fuse_gate_silu": True},
-            {**fast, "l2_prefetch": 16 * mb},
-            {**fast, "l2_prefetch": 32 * mb},
-            {**fast, "l2_prefetch": 8 * mb},
-            {**fast, "l2_prefetch": 32 * mb, "fuse_gate_silu": True},
-            {**fast, "l2_prefetch": 32 * mb, "greedy_in_graph": True},
+            {**today, "greedy_in_graph": True},
+            {**today, "argmax_kernel": False, "fuse_gate_silu": False},
             today,
-            fast,
         ]
     else:
         variants = [
@@ -197,12 +190,10 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         key += "-early_kv" if ops.attn_early_kv_rows else ""
         greedy_in_graph = variant.get("greedy_in_graph", False)
         key += "-greedy_in_graph" if greedy_in_graph else ""
-        core.runner.sampler.argmax_kernel = variant.get("argmax_kernel", False)
+        core.runner.sampler.argmax_kernel = variant.get("argmax_kernel", True)
         key += "-argmax_kernel" if core.runner.sampler.argmax_kernel else ""
-        ops.fuse_gate_silu = variant.get("fuse_gate_silu", False)
+        ops.fuse_gate_silu = variant.get("fuse_gate_silu", True)
         key += "-fuse_gate_silu" if ops.fuse_gate_silu else ""
-        ops.gemv_l2_prefetch_bytes = variant.get("l2_prefetch", 0)
-        key += f"-l2_{ops.gemv_l2_prefetch_bytes >> 20}MB" if ops.gemv_l2_prefetch_bytes else ""
         pdl.set_enabled(variant["pdl"])
         try:
             core.runner.capture_cuda_graphs()

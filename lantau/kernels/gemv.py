@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
-from lantau.kernels.pdl import l2_prefetch, pdl_wait
+from lantau.kernels.pdl import pdl_wait
 
 # rows of x this kernel serves. Batch 1 takes a 2-D accumulator (no per-chunk reduction);
 # 2 to 8 rows one tensor-core product per weight tile. NOTE: the model (ops.gemv_max_m) uses it
@@ -82,49 +82,6 @@ def _rope_epilogue(
 
 
 @triton.jit
-def _program_rows(pid, local, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr, ROPE: tl.constexpr,
-                  HEAD_DIM: tl.constexpr):  # fmt: skip
-    """The rows of W program `pid` owns, at its row indices `local` (< BLOCK_N): (rows, their
-    mask, the program's first row and head (GATED / ROPE only)). Elementwise in pid too."""
-    HALF: tl.constexpr = BLOCK_N // 2
-    first = pid * 0
-    head = pid * 0
-    if GATED or ROPE:
-        # paired rows: the program's BLOCK_N // 2 rows, then each one's partner: a gate row's up
-        # row, or a rotary dim d's d + HEAD_DIM / 2 (all in one head: HEAD_DIM % BLOCK_N == 0)
-        if ROPE:
-            head = pid * HALF // (HEAD_DIM // 2)
-            first = head * HEAD_DIM + pid * HALF % (HEAD_DIM // 2)  # the program's first row
-            partner = HEAD_DIM // 2
-        else:
-            first = pid * HALF
-            partner = N // 2
-        offs_j = first + local % HALF  # the first row of each row's pair
-        rows = offs_j + (local // HALF) * partner
-        mask = rows < N if ROPE else offs_j < N // 2
-    else:
-        rows = pid * BLOCK_N + local
-        mask = rows < N
-    return rows, mask, first, head
-
-
-@triton.jit
-def _prefetch_rows(pid, N, pf_first, pf_stride, pf_waves, pf_row_bytes, PF_LANES: tl.constexpr,
-                   BLOCK_N: tl.constexpr, GATED: tl.constexpr, ROPE: tl.constexpr,
-                   HEAD_DIM: tl.constexpr):  # fmt: skip
-    """Program pid's prefetch, one row a lane: lane l takes row l % BLOCK_N of program pid +
-    (l // BLOCK_N + pf_first) * pf_stride, its first pf_row_bytes (0: no row, for lanes past
-    pf_waves programs or rows past N). Returns (rows [PF_LANES] int64, bytes [PF_LANES])."""
-    lane = tl.arange(0, PF_LANES)
-    wave = lane // BLOCK_N
-    rows, mask, _, _ = _program_rows(
-        pid + (wave + pf_first) * pf_stride, lane % BLOCK_N, N, BLOCK_N, GATED, ROPE, HEAD_DIM
-    )
-    live = mask & (wave < pf_waves)
-    return tl.where(live, rows, 0).to(tl.int64), tl.where(live, pf_row_bytes, 0)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K] ([1, 2K] when SILU)
     w_ptr,  # [N, K] row-major (nn.Linear's weight)
@@ -161,29 +118,26 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32: exact, not TF32
     USE_PDL: tl.constexpr,
     PRELOAD: tl.constexpr = False,  # batch 1, BLOCK_K >= K: see gemv's `preload`
-    # L2Prefetch (see gemv's `l2_prefetch`): programs pid < pf_programs prefetch, before the
-    # PDL wait, the first pf_row_bytes of the rows of programs pid + (w + pf_first) * pf_stride
-    # for w < pf_waves, one row a lane (PF_LANES, 0 for none)
-    pf_programs=0,
-    pf_first=0,
-    pf_stride=0,
-    pf_waves=0,
-    pf_row_bytes=0,
-    PF_LANES: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     HALF: tl.constexpr = BLOCK_N // 2
-    if PF_LANES > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
-        if pid < pf_programs:
-            pf_rows, pf_bytes = _prefetch_rows(
-                pid, N, pf_first, pf_stride, pf_waves, pf_row_bytes, PF_LANES, BLOCK_N, GATED,
-                ROPE, HEAD_DIM,
-            )  # fmt: skip
-            pf_ptrs = w_ptr + pf_rows * stride_wn
-            l2_prefetch(pf_ptrs.to(tl.int64, bitcast=True), pf_bytes)
-    offs_n, n_mask, first, head = _program_rows(
-        pid, tl.arange(0, BLOCK_N), N, BLOCK_N, GATED, ROPE, HEAD_DIM
-    )
+    if GATED or ROPE:
+        # paired rows: the program's BLOCK_N // 2 rows, then each one's partner: a gate row's up
+        # row, or a rotary dim d's d + HEAD_DIM / 2 (all in one head: HEAD_DIM % BLOCK_N == 0)
+        local = tl.arange(0, BLOCK_N)
+        if ROPE:
+            head = pid * HALF // (HEAD_DIM // 2)
+            first = head * HEAD_DIM + pid * HALF % (HEAD_DIM // 2)  # the program's first row
+            partner = HEAD_DIM // 2
+        else:
+            first = pid * HALF
+            partner = N // 2
+        offs_j = first + local % HALF  # [BLOCK_N]: the first row of each row's pair
+        offs_n = offs_j + (local // HALF) * partner
+        n_mask = offs_n < N if ROPE else offs_j < N // 2
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     if M == 1 and PRELOAD:
@@ -280,66 +234,6 @@ class Rope(NamedTuple):
         )  # fmt: skip
 
 
-class L2Prefetch(NamedTuple):
-    """Which weight rows a GEMV's programs prefetch into L2 before the PDL wait: programs
-    pid < programs each ask for the first row_bytes of the rows of programs pid + (w + first) *
-    stride, w < waves (see gemv's `l2_prefetch_bytes`)."""
-
-    programs: int
-    first: int
-    stride: int
-    waves: int
-    row_bytes: int
-
-
-# launch configuration -> programs of it resident at once on the device (from the compiled
-# kernel's registers, threads and shared memory; learnt at its first launch)
-_resident: dict[tuple, int] = {}
-
-
-def resident_programs(kernel, device: torch.device) -> int:
-    """How many programs of a compiled kernel fit on the device at once."""
-    props = torch.cuda.get_device_properties(device)
-    per_sm = programs_per_sm(
-        kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared,
-        regs=getattr(props, "regs_per_multiprocessor", 65536),
-        threads=getattr(props, "max_threads_per_multi_processor", 2048),
-        smem=getattr(props, "shared_memory_per_multiprocessor", 233472),
-    )  # fmt: skip
-    return props.multi_processor_count * per_sm
-
-
-def programs_per_sm(
-    n_regs: int, num_warps: int, shared: int, regs: int = 65536, threads: int = 2048,
-    smem: int = 233472,
-) -> int:  # fmt: skip
-    """Programs of a kernel one multiprocessor holds at once (at least 1): registers go by
-    the warp in units of 256, and each block keeps 1 KB of shared memory for the system."""
-    regs_per_warp = triton.cdiv(max(n_regs, 1) * 32, 256) * 256
-    by_regs = regs // regs_per_warp // num_warps
-    by_threads = threads // (32 * num_warps)
-    by_smem = smem // (shared + 1024)
-    return max(1, min(by_regs, by_threads, by_smem, 32))
-
-
-def prefetch_plan(
-    grid: int, resident: int, block_n: int, n: int, row_bytes: int, budget: int, preload: bool,
-    lanes: int,
-) -> L2Prefetch | None:  # fmt: skip
-    """What to prefetch for up to `budget` bytes. With `preload`, the first wave's programs hold
-    their own rows in registers: they prefetch the next waves' rows. Without, they prefetch the
-    start of their own rows (the K loop then begins in L2)."""
-    if preload:
-        waves = min(triton.cdiv(grid, resident) - 1, lanes // block_n)
-        waves = min(waves, budget // (resident * block_n * row_bytes))
-        if waves <= 0:
-            return None
-        return L2Prefetch(min(resident, grid), 1, resident, waves, row_bytes)
-    programs = min(resident, grid)
-    row_bytes = min(row_bytes, budget // min(n, programs * block_n)) // 16 * 16
-    return L2Prefetch(programs, 0, 0, 1, row_bytes) if row_bytes > 0 else None
-
-
 # preload: the longest row a program loads at once (BLOCK_N * 16384 over its threads); the
 # model takes it up to ops.preload_max_k, K <= 4096 as measured
 PRELOAD_MAX_K = 16384
@@ -380,18 +274,11 @@ def gemv(
     gated: bool = False,
     rope: Rope | None = None,
     preload: bool = False,
-    l2_prefetch_bytes: int = 0,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for 1 to GEMV_MAX_M rows of x; fp32 accumulation.
 
     `preload` (batch 1, K up to PRELOAD_MAX_K): each program loads its whole weight slice
     (BLOCK_N rows, config's BLOCK_K ignored) at once, before waiting on the previous kernel.
-
-    `l2_prefetch_bytes` (batch 1, with PDL on Hopper): while they wait on the previous kernel,
-    the programs of the first wave ask the copy engine to bring up to this many more bytes of
-    the weight into L2 (`prefetch_plan`): the rows the next waves read, or with no preload the
-    start of their own rows. From the second launch of a configuration on (the first learns how
-    many programs fit at once).
 
     Batch 1 can also fold in the decoder layer's neighbours (one launch instead of two or three):
     - `norm_weight`: x is the residual stream, and the product is with rmsnorm(x) (eps);
@@ -451,18 +338,7 @@ def gemv(
         block_n = min(block_n, head_dim)
         assert head_dim % block_n == 0, f"rope: BLOCK_N={block_n} must divide head_dim {head_dim}"
     grid = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
-    key = (n, k, block_n, num_warps, num_stages, preload, gated, rope is not None, fused)
-    row_bytes = k * weight.element_size() // 16 * 16
-    plan = None
-    if (
-        l2_prefetch_bytes > 0 and m == 1 and key in _resident and pdl.enabled(x.device)
-        and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
-    ):  # fmt: skip
-        plan = prefetch_plan(
-            grid, _resident[key], block_n, n, row_bytes, l2_prefetch_bytes, preload,
-            32 * num_warps,
-        )  # fmt: skip
-    compiled = _gemv_kernel[(grid,)](
+    _gemv_kernel[(grid,)](
         x, weight, weight if bias is None else bias, y,
         weight if norm_weight is None else norm_weight,
         *(rope.pointers() if rope else (weight,) * 5), num_q_heads, num_kv_heads, n, k, eps,
@@ -474,14 +350,8 @@ def gemv(
         M_PAD=max(16, triton.next_power_of_2(m)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device),
-        **(dict(zip(_PF_ARGS, plan, strict=True), PF_LANES=32 * num_warps) if plan else {}),
     )  # fmt: skip
-    if l2_prefetch_bytes > 0 and key not in _resident and x.device.type == "cuda":
-        _resident[key] = resident_programs(compiled, x.device)
     return y
-
-
-_PF_ARGS = ("pf_programs", "pf_first", "pf_stride", "pf_waves", "pf_row_bytes")
 
 
 def gemv_ref(

@@ -7,10 +7,10 @@ then wait in `griddepcontrol.wait` until the previous grid has finished and its 
 visible.
 
 The contract every kernel taking `USE_PDL` keeps, in every program, on every path:
-1. before `pdl_wait` it loads only tensors no kernel writes (weights) and stores nothing (an
-   `l2_prefetch` of weights counts as such a load); the one exception, decode attention's
-   `early_kv`, loads cache slots and step inputs that no kernel of the running step writes,
-   the step having begun with a host-to-device copy (which waits for every earlier kernel);
+1. before `pdl_wait` it loads only tensors no kernel writes (weights) and stores nothing; the
+   one exception, decode attention's `early_kv`, loads cache slots and step inputs that no
+   kernel of the running step writes, the step having begun with a host-to-device copy (which
+   waits for every earlier kernel);
 2. it calls `pdl_wait` before anything else but those loads, early returns included.
 Then each kernel starts only after all earlier ones have finished (by induction), so buffers
 the caching allocator hands out again are never written early.
@@ -59,20 +59,3 @@ def pdl_wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def l2_prefetch(addresses, num_bytes):
-    """Ask the copy engine to bring `num_bytes` from each of `addresses` into L2 (Hopper's
-    cp.async.bulk.prefetch.L2; asynchronous, nothing waits for it). Elementwise: int64 addresses
-    aligned to 16 bytes, int32 sizes in multiples of 16, 0 to skip an element. Give each thread
-    one element (a tensor of 32 * num_warps): a replicated element is prefetched once a copy."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [addresses, num_bytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )

@@ -147,10 +147,12 @@ class TritonOps(_Compositions):
         # runs/2026-12-03-gpu_gemv-w2-fusions.log): each of a GEMV's many programs re-reads
         # the whole input vector from L2, and the folded norm doubles that traffic
         self.fuse_decode = False
-        # batch 1: the SiLU-and-mul in the gate_up GEMV's epilogue (one launch, no gate_up write).
-        # NOTE: off: slower on the H200 (W2 4.410 vs 4.308 ms/token, graph 4.336 vs 4.236, same
-        # run, runs/2026-12-03c-w2_profile.log): a program's gate and up rows lie 117 MB apart
-        self.fuse_gate_silu = False
+        # batch 1: the SiLU-and-mul in the gate_up GEMV's epilogue (one launch, no gate_up write;
+        # each program preloads its gate rows and their up rows). W2 3.969 vs 4.010 ms/token,
+        # graph 3.907 vs 3.943 ms, same run, greedy tokens and logits equal
+        # (runs/2026-12-03l-gemv_l2.log; before the preload and the paired rows it was slower:
+        # 4.410 vs 4.308, runs/2026-12-03c-w2_profile.log)
+        self.fuse_gate_silu = True
         # split decode attention merges in its own launch (else a second kernel)
         self.fuse_attn_merge = True
         # decode attention's grid with a request's kv heads side by side (paged_attention.py):
@@ -171,10 +173,6 @@ class TritonOps(_Compositions):
         self.gemv_preload = True
         self.preload_max_k = 4096  # down_proj's K = 14336 (gemv allows it) is not yet measured
         self.preload_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
-        # batch 1 with PDL: each GEMV's first wave of programs asks the copy engine for up to
-        # this many more bytes of its weight into L2 while it waits (gemv's l2_prefetch_bytes;
-        # 0: none). NOTE: off until measured on the H200
-        self.gemv_l2_prefetch_bytes = 0
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         if self.use_gemv and x.shape[0] <= self.gemv_max_m:
@@ -183,7 +181,6 @@ class TritonOps(_Compositions):
 
     def _gemv_linear(self, x, layer: torch.nn.Linear, **fusions) -> torch.Tensor:
         shape = tuple(layer.weight.shape)
-        fusions["l2_prefetch_bytes"] = self.gemv_l2_prefetch_bytes
         if self.gemv_preload and x.shape[0] == 1 and shape[1] <= self.preload_max_k:
             config = self.preload_configs.get(shape)
             return self._gemv.gemv(x, layer.weight, layer.bias, config, preload=True, **fusions)

@@ -87,7 +87,7 @@ class CudaGraphRunner:
         # sampled (not greedy) batch would pay for it on every step
         self.greedy_in_graph = False
         # that pick through the one-launch argmax kernel (as the sampler's `argmax_kernel`)
-        self.argmax_kernel = False
+        self.argmax_kernel = True
 
     def can_run(self, inputs) -> bool:
         return inputs.max_query_len == 1 and inputs.num_reqs <= self.max_bs
