@@ -163,9 +163,11 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         # and the sampler's one-launch argmax kernel and the SiLU-and-mul in gate_up's
         # epilogue (runs/2026-12-03l-gemv_l2.log: both on since; the L2 prefetch of later
         # waves' rows by the first wave, 2b26ac9, was slower: 4.204 / 4.323 at 16 / 32 MB);
-        # now the greedy pick inside the graph through the argmax kernel, and both off
+        # now the norms' weights and rotary's inputs loaded before the PDL wait (off), the
+        # greedy pick inside the graph through the argmax kernel, and both off
         variants = [
             today,
+            {**today, "early_inputs": False},
             {**today, "greedy_in_graph": True},
             {**today, "argmax_kernel": False, "fuse_gate_silu": False},
             today,
@@ -194,6 +196,8 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         key += "-argmax_kernel" if core.runner.sampler.argmax_kernel else ""
         ops.fuse_gate_silu = variant.get("fuse_gate_silu", True)
         key += "-fuse_gate_silu" if ops.fuse_gate_silu else ""
+        ops.early_inputs = variant.get("early_inputs", True)
+        key += "-early_inputs" if ops.early_inputs else ""
         pdl.set_enabled(variant["pdl"])
         try:
             core.runner.capture_cuda_graphs()

@@ -110,14 +110,15 @@ def test_write_kv_cache(dtype: torch.dtype, num_kv_heads: int, head_dim: int) ->
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden_size", [96, 576])
-def test_rms_norm(dtype: torch.dtype, hidden_size: int) -> None:
+@pytest.mark.parametrize("early", [True, False], ids=["weight_before_wait", "weight_after"])
+def test_rms_norm(dtype: torch.dtype, hidden_size: int, early: bool) -> None:
     torch.manual_seed(1)
     num_tokens, eps = 5, 1e-5
     x = padded_rows(num_tokens, hidden_size, 16, dtype) * 3
     weight = (1 + 0.1 * torch.randn(hidden_size)).to(dtype)
     out = padded_rows(num_tokens, hidden_size, 16, dtype).fill_(NAN)
 
-    assert rms_norm(x, weight, eps, out=out) is out
+    assert rms_norm(x, weight, eps, out=out, early=early) is out
     assert not out.isnan().any(), "an output element was not written"
     assert_pad_untouched(out)
     assert_close(out, rms_norm_ref(x, weight, eps))
@@ -127,7 +128,8 @@ def test_rms_norm(dtype: torch.dtype, hidden_size: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden_size", [96, 576])
-def test_fused_add_rms_norm(dtype: torch.dtype, hidden_size: int) -> None:
+@pytest.mark.parametrize("early", [True, False], ids=["weight_before_wait", "weight_after"])
+def test_fused_add_rms_norm(dtype: torch.dtype, hidden_size: int, early: bool) -> None:
     torch.manual_seed(2)
     num_tokens, eps = 5, 1e-6
     x = padded_rows(num_tokens, hidden_size, 16, dtype)
@@ -138,7 +140,7 @@ def test_fused_add_rms_norm(dtype: torch.dtype, hidden_size: int) -> None:
     x_ref, residual_ref = x.clone(), residual.clone()
     fused_add_rms_norm_ref(x_ref, residual_ref, weight, eps)
 
-    fused_add_rms_norm(x, residual, weight, eps)
+    fused_add_rms_norm(x, residual, weight, eps, early=early)
     assert_pad_untouched(x)
     assert_pad_untouched(residual)
     assert_close(residual, expected_residual)
@@ -192,7 +194,8 @@ def test_apply_rotary(dtype: torch.dtype, head_dim: int, scaling: RopeScaling | 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 80])
-def test_apply_rotary_and_write_kv(dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize("early", [True, False], ids=["inputs_before_wait", "inputs_after"])
+def test_apply_rotary_and_write_kv(dtype: torch.dtype, head_dim: int, early: bool) -> None:
     """The fused kernel: q as apply_rotary leaves it, and the cache as apply_rotary followed
     by write_kv_cache leaves it; padding rows (slot -1) and foreign slots untouched, k and v
     not modified."""
@@ -213,7 +216,7 @@ def test_apply_rotary_and_write_kv(dtype: torch.dtype, head_dim: int) -> None:
     apply_rotary_ref(q_ref, k_ref, positions, cos_sin_cache)
     write_kv_cache_ref(k_ref, v, cache_ref, slot_mapping)
     k_before, v_before, cache = k.clone(), v.clone(), poisoned.clone()
-    apply_rotary_and_write_kv(q, k, v, positions, cos_sin_cache, cache, slot_mapping)
+    apply_rotary_and_write_kv(q, k, v, positions, cos_sin_cache, cache, slot_mapping, early=early)
     assert_close(q, q_ref)
     assert_close(cache, cache_ref, equal_nan=True)  # NaN exactly where no real row wrote
     assert torch.equal(k, k_before) and torch.equal(v, v_before)

@@ -16,12 +16,12 @@ from lantau.kernels.pdl import pdl_wait
 
 
 @triton.jit
-def _normalize_row(x, weight_ptr, out_ptr, offs, mask, hidden_size, eps):
-    # x: [BLOCK_SIZE] fp32, padding lanes 0 so they add nothing to the sum of squares;
-    # out_ptr only gives the dtype to round to (the caller stores the result)
+def _normalize_row(x, weight, out_ptr, hidden_size, eps):
+    # x: [BLOCK_SIZE] fp32, padding lanes 0 so they add nothing to the sum of squares; weight
+    # in fp32 (loaded before the PDL wait); out_ptr only gives the dtype to round to (the caller
+    # stores the result)
     out_dtype = out_ptr.dtype.element_ty
     inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # round before the weight multiply, as RMSNorm.forward does (`weight * xf.to(x.dtype)`)
     normed = (x * inv_rms).to(out_dtype).to(tl.float32)
     return (normed * weight).to(out_dtype)
@@ -38,13 +38,18 @@ def _rms_norm_kernel(
     eps,
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
     USE_PDL: tl.constexpr,
+    EARLY: tl.constexpr = True,
 ):
-    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
     mask = offs < hidden_size
+    if EARLY:  # the weight before the PDL wait: no kernel writes it
+        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
+    if not EARLY:
+        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    out = _normalize_row(x, weight_ptr, out_ptr, offs, mask, hidden_size, eps)
+    out = _normalize_row(x, weight, out_ptr, hidden_size, eps)
     tl.store(out_ptr + row * out_row_stride + offs, out, mask=mask)
 
 
@@ -59,11 +64,16 @@ def _fused_add_rms_norm_kernel(
     eps,
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
     USE_PDL: tl.constexpr,
+    EARLY: tl.constexpr = True,
 ):
-    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
     mask = offs < hidden_size
+    if EARLY:  # the weight before the PDL wait: no kernel writes it
+        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
+    if not EARLY:
+        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * residual_row_stride
     x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
@@ -71,7 +81,7 @@ def _fused_add_rms_norm_kernel(
     # normalise the rounded sum, the value the next layer's residual add will read back
     total = (x + residual).to(residual_ptr.dtype.element_ty)
     tl.store(residual_row + offs, total, mask=mask)
-    out = _normalize_row(total.to(tl.float32), weight_ptr, x_ptr, offs, mask, hidden_size, eps)
+    out = _normalize_row(total.to(tl.float32), weight, x_ptr, hidden_size, eps)
     tl.store(x_row + offs, out, mask=mask)
 
 
@@ -91,9 +101,11 @@ def _num_warps(block_size: int) -> int:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """RMSNorm of each row of x (any row stride) into out (new if None)."""
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+    early: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """RMSNorm of each row of x (any row stride) into out (new if None). `early`: the weight
+    is loaded before the PDL wait (off for same-run comparisons)."""
     # x, out: [num_tokens, hidden_size]; weight: [hidden_size]
     assert weight.dim() == 1 and weight.is_contiguous(), f"weight {tuple(weight.shape)}"
     _check_rows("x", x, weight)
@@ -114,6 +126,7 @@ def rms_norm(
         hidden_size,
         eps,
         BLOCK_SIZE=block_size,
+        EARLY=early,
         **pdl.launch_options(x.device),
         num_warps=_num_warps(block_size),
     )
@@ -121,9 +134,10 @@ def rms_norm(
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, early: bool = True
 ) -> None:
-    """In place: residual = x + residual (rounded to its dtype); x = RMSNorm(residual)."""
+    """In place: residual = x + residual (rounded to its dtype); x = RMSNorm(residual).
+    `early` as rms_norm's."""
     # x, residual: [num_tokens, hidden_size], any row strides; weight: [hidden_size]
     assert weight.dim() == 1 and weight.is_contiguous(), f"weight {tuple(weight.shape)}"
     _check_rows("x", x, weight)
@@ -142,6 +156,7 @@ def fused_add_rms_norm(
         hidden_size,
         eps,
         BLOCK_SIZE=block_size,
+        EARLY=early,
         **pdl.launch_options(x.device),
         num_warps=_num_warps(block_size),
     )

@@ -202,17 +202,24 @@ def _rotary_write_kv_kernel(
     BLOCK_Q_HEADS: tl.constexpr,
     BLOCK_K_HEADS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY: tl.constexpr = True,
 ):
-    pdl_wait(USE_PDL)
+    # the token's position, its cos / sin row and its slot before the PDL wait: step inputs no
+    # kernel of the step writes, and a constant (pdl.py's contract)
     token = tl.program_id(0).to(tl.int64)
-    cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
+    if EARLY:
+        cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
+        slot = tl.load(slot_mapping_ptr + token)
+    pdl_wait(USE_PDL)
+    if not EARLY:
+        cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
+        slot = tl.load(slot_mapping_ptr + token)
     _rotate_heads(
         q_ptr + token * q_row_stride, q_head_stride, num_heads, cos, sin,
         HALF_DIM, BLOCK_Q_HEADS, BLOCK_HALF,
     )  # fmt: skip
     # keys: rotated in registers, stored to the cache slot only; values copied alongside.
     # slot < 0 marks a padding row (CUDA-graph batches): the masks turn the stores off
-    slot = tl.load(slot_mapping_ptr + token)
     heads = tl.arange(0, BLOCK_K_HEADS)
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HALF_DIM) & (slot >= 0)
@@ -235,10 +242,12 @@ def apply_rotary_and_write_kv(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    early: bool = True,
 ) -> None:
     """Rotate q in place; store rotated k and v into cache slot slot_mapping[t] (slot < 0:
     skipped). k itself is left as it was. Shapes and rules as apply_rotary and
-    lantau.kernels.kv_cache_write.write_kv_cache."""
+    lantau.kernels.kv_cache_write.write_kv_cache. `early`: positions, cos/sin and slots are
+    loaded before the PDL wait (off for same-run comparisons)."""
     num_tokens, num_heads, head_dim = q.shape
     assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (
         f"k {tuple(k.shape)} does not match q {tuple(q.shape)}"
@@ -265,5 +274,5 @@ def apply_rotary_and_write_kv(
     _rotary_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, kv_cache[0], kv_cache[1], slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        num_heads, k.shape[1], **_launch_options(q, k),
+        num_heads, k.shape[1], EARLY=early, **_launch_options(q, k),
     )  # fmt: skip

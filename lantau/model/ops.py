@@ -164,6 +164,9 @@ class TritonOps(_Compositions):
         # W2 4.002 vs 4.085 / 4.086 ms/token, graph 3.898 vs 3.990 ms, same run
         # (runs/2026-12-03h-gemv_ab.log); measured at 1 row, 2-8 by analogy (latency-bound)
         self.attn_early_kv_rows = 8
+        # the norms' weights, and rotary's positions, cos/sin and slots, loaded before the PDL
+        # wait (pdl.py's contract); NOTE: not yet measured on the H200
+        self.early_inputs = True
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         # batch 1, K <= preload_max_k: each GEMV program loads its whole weight slice
@@ -226,10 +229,11 @@ class TritonOps(_Compositions):
         return super().linear_silu_mul(x, layer)
 
     def rms_norm(self, x, weight, eps) -> torch.Tensor:
-        return self._norm.rms_norm(x, weight, eps)
+        return self._norm.rms_norm(x, weight, eps, early=self.early_inputs)
 
     def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
-        self._norm.fused_add_rms_norm(x, residual, weight, eps)  # in place on both
+        # in place on both
+        self._norm.fused_add_rms_norm(x, residual, weight, eps, early=self.early_inputs)
         return x, residual
 
     def rotary_and_write_kv(self, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping):
@@ -240,7 +244,7 @@ class TritonOps(_Compositions):
             self._kv.write_kv_cache(k, v, kv_cache, slot_mapping)
             return q
         self._rope.apply_rotary_and_write_kv(
-            q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping
+            q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, early=self.early_inputs
         )
         return q
 
