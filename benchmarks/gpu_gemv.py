@@ -163,13 +163,18 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         # and the sampler's one-launch argmax kernel and the SiLU-and-mul in gate_up's
         # epilogue (runs/2026-12-03l-gemv_l2.log: both on since; the L2 prefetch of later
         # waves' rows by the first wave, 2b26ac9, was slower: 4.204 / 4.323 at 16 / 32 MB);
-        # now the norms' weights and rotary's inputs loaded before the PDL wait (off), the
-        # greedy pick inside the graph through the argmax kernel, and both off
+        # then (runs/2026-12-03m-gemv_ab.log) the norms' weights and rotary's inputs loaded
+        # before the PDL wait (3.913 vs 3.907 off: noise, kept on) and the greedy pick inside
+        # the graph through the argmax kernel (3.866, on since); now decode attention's merge
+        # folding split partials one by one (as before), and its early-KV tiling at 8 warps
+        # (no spills) and at 32 keys
         variants = [
             today,
-            {**today, "early_inputs": False},
-            {**today, "greedy_in_graph": True},
-            {**today, "argmax_kernel": False, "fuse_gate_silu": False},
+            {**today, "attn_merge_chunk": 1},
+            {**today, "attn_early_config": (64, 8, 2)},
+            {**today, "attn_early_config": (32, 4, 2)},
+            {**today, "attn_early_config": (32, 8, 2)},
+            {**today, "greedy_in_graph": False},
             today,
         ]
     else:
@@ -190,8 +195,12 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         key += "-down" if ops.gemv_preload and ops.preload_max_k > 4096 else ""
         ops.attn_early_kv_rows = variant.get("attn_early_kv_rows", 8)
         key += "-early_kv" if ops.attn_early_kv_rows else ""
-        greedy_in_graph = variant.get("greedy_in_graph", False)
+        greedy_in_graph = variant.get("greedy_in_graph", True)
         key += "-greedy_in_graph" if greedy_in_graph else ""
+        ops.attn_merge_chunk = variant.get("attn_merge_chunk")
+        key += f"-merge_chunk{ops.attn_merge_chunk}" if ops.attn_merge_chunk else ""
+        ops.attn_early_config = variant.get("attn_early_config")
+        key += "-attn{}x{}x{}".format(*ops.attn_early_config) if ops.attn_early_config else ""
         core.runner.sampler.argmax_kernel = variant.get("argmax_kernel", True)
         key += "-argmax_kernel" if core.runner.sampler.argmax_kernel else ""
         ops.fuse_gate_silu = variant.get("fuse_gate_silu", True)
@@ -201,8 +210,8 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         pdl.set_enabled(variant["pdl"])
         try:
             core.runner.capture_cuda_graphs()
-            if greedy_in_graph:  # recaptured with the argmax
-                core.runner.graphs.greedy_in_graph = True
+            if core.runner.graphs.greedy_in_graph != greedy_in_graph:  # recaptured
+                core.runner.graphs.greedy_in_graph = greedy_in_graph
                 core.runner.graphs.argmax_kernel = core.runner.sampler.argmax_kernel
                 core.runner.graphs.graphs.clear()
                 core.runner.graphs.capture()

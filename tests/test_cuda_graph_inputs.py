@@ -23,7 +23,7 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
         runner.config, runner.model, runner.kv_caches, runner.device, runner.prev_token_ids
     )
     assert graphs.batch_sizes == [1, 2, 4, 8]
-    graphs.greedy_in_graph = True  # the graph's greedy pick too (off by default)
+    graphs.greedy_in_graph = True  # the graph's greedy pick too (the default)
     checked = []
     eager_forward = runner._forward_logits
 

@@ -130,6 +130,7 @@ def run_decode(
     merge_kernel: bool = False,
     heads_first: bool = False,
     early_kv: bool = False,
+    merge_chunk: int | None = None,
 ) -> torch.Tensor:
     out = torch.full_like(b["q"], float("nan"))
     pa.paged_decode_attention(
@@ -144,6 +145,7 @@ def run_decode(
         merge_kernel=merge_kernel,
         heads_first=heads_first,
         early_kv=early_kv,
+        merge_chunk=merge_chunk,
     )
     # the in-launch merge leaves its counters zeroed for the next launch (and graph replay)
     assert not pa._counters or not pa._counters[b["q"].device].any()
@@ -238,6 +240,35 @@ def test_paged_decode_attention_short_splits(monkeypatch):
         assert_matches(out, ref, torch.float32)
         early = run_decode(b, num_splits, early_kv=True)  # first tiles loaded apart
         torch.testing.assert_close(early, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (8, 1), (4, 4)])
+def test_in_launch_merge_folds_chunks_of_splits(monkeypatch, num_heads, num_kv_heads):
+    """16-key tiles over 8 splits: the merge loading all partials at once (the default), in
+    chunks of 2 or 4 folded online, or one by one agree with the reference and each other (fp32
+    sums in other orders); a request filling 3 of 8 splits leaves chunks part-masked."""
+    monkeypatch.setattr(pa, "_DECODE_BLOCK_N", 16)
+    b = make_batch([(128, 1), (45, 1), (3, 1)], num_heads, num_kv_heads, 32, torch.float32, seed=6)
+    ref = pa.paged_decode_attention_ref(
+        b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
+    )
+    group = num_heads // num_kv_heads
+    assert pa.default_merge_chunk(8, group, 32) == 8  # all 8 at once
+    outs = {c: run_decode(b, 8, merge_chunk=c) for c in (None, 1, 2, 4)}
+    for out in outs.values():
+        assert_matches(out, ref, torch.float32)
+        torch.testing.assert_close(out, outs[None], rtol=1e-5, atol=1e-6)
+    # the second launch's merge: the same weights, summed in another order
+    second = run_decode(b, 8, merge_kernel=True)
+    torch.testing.assert_close(second, outs[None], rtol=1e-6, atol=1e-7)
+
+
+def test_default_merge_chunk_caps_the_partials_held():
+    assert pa.default_merge_chunk(16, 4, 128) == 16  # llama3-8b: 16 x 4 x 128 = 8,192 values
+    assert pa.default_merge_chunk(64, 4, 128) == 16
+    assert pa.default_merge_chunk(64, 8, 128) == 8  # 70B's 8 query heads a kv head
+    assert pa.default_merge_chunk(3, 3, 64) == 4
+    assert pa.default_merge_chunk(2, 64, 256) == 1
 
 
 def test_empty_context_writes_zeros():

@@ -269,6 +269,8 @@ def _paged_decode_split_kernel(
     BLOCK_N: tl.constexpr,  # keys per iteration
     USE_SCRATCH: tl.constexpr,  # False when num_splits == 1: normalise straight into out
     MERGE: tl.constexpr,  # USE_SCRATCH: the last split of a (request, kv head) merges them
+    GROUP_P: tl.constexpr,  # GROUP padded to a power of 2 (the merge's rows)
+    MERGE_CHUNK: tl.constexpr,  # splits the merge loads at once
     HEADS_FIRST: tl.constexpr,  # grid (kv heads, requests, splits) instead of (requests, ...)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not TF32
     USE_PDL: tl.constexpr,
@@ -358,39 +360,55 @@ def _paged_decode_split_kernel(
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_filled - 1:
                 tl.atomic_xchg(counter, 0)
                 merged = _merge_splits(
-                    part_out_ptr, part_lse_ptr, req * num_heads + head, head_mask, num_splits,
-                    num_filled, BLOCK_H, HEAD_DIM,
+                    part_out_ptr, part_lse_ptr, req * num_heads + kv_head * GROUP, num_splits,
+                    num_filled, GROUP, GROUP_P, HEAD_DIM, MERGE_CHUNK,
                 )  # fmt: skip
-                tl.store(out_ptr + o_offs, merged.to(out_ptr.dtype.element_ty), head_mask[:, None])
+                offs_g = tl.arange(0, GROUP_P)
+                g_offs = (
+                    req.to(tl.int64) * stride_out_req
+                    + (kv_head * GROUP + offs_g)[:, None] * stride_out_head + offs_d[None, :]
+                )  # fmt: skip
+                out_ty = out_ptr.dtype.element_ty
+                tl.store(out_ptr + g_offs, merged.to(out_ty), (offs_g < GROUP)[:, None])
     else:
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
 
 
 @triton.jit
 def _merge_splits(
-    part_out_ptr, part_lse_ptr, rows, row_mask, num_splits, num_filled,
-    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    part_out_ptr, part_lse_ptr, first_row, num_splits, num_filled,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Softmax-weighted sum of the first num_filled split partials of `rows` (query heads):
-    [BLOCK_H, HEAD_DIM] fp32. Loads skip L1, which other SMs' stores do not update."""
+    """Softmax-weighted sum of the first num_filled split partials of the GROUP query heads
+    from row first_row on: [GROUP_P, HEAD_DIM] fp32 (rows past GROUP 0). CHUNK splits' partials
+    are loaded at once (one round trip to L2 for a short context, not one a split), their
+    chunks folded online. Loads skip L1, which other SMs' stores do not update."""
+    offs_r = tl.arange(0, CHUNK * GROUP_P)  # (split, head) pairs of a chunk
+    split_of = offs_r // GROUP_P
+    head_of = offs_r % GROUP_P
     offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for s in range(0, num_filled):
-        row = rows.to(tl.int64) * num_splits + s
-        lse = tl.load(part_lse_ptr + row, mask=row_mask, other=0.0, cache_modifier=".cg")
+    m = tl.full([GROUP_P], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
+    for s0 in range(0, num_filled, CHUNK):
+        split = s0 + split_of
+        mask = (split < num_filled) & (head_of < GROUP)
+        row = (first_row + head_of).to(tl.int64) * num_splits + split  # [CHUNK * GROUP_P]
+        lse = tl.load(part_lse_ptr + row, mask=mask, other=float("-inf"), cache_modifier=".cg")
         part = tl.load(
-            part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=row_mask[:, None],
+            part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask[:, None],
             other=0.0, cache_modifier=".cg",
         )  # fmt: skip
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + part * weight[:, None]
-        total = total * alpha + weight
+        lse = tl.reshape(lse, (CHUNK, GROUP_P))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding head: no split
+        weight = tl.exp2(lse - m_safe[None, :])  # [CHUNK, GROUP_P], 0 where masked
+        alpha = tl.exp2(m - m_safe)
+        part = tl.reshape(part, (CHUNK, GROUP_P, HEAD_DIM))
+        acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
+        total = total * alpha + tl.sum(weight, 0)
         m = m_new
-    return acc / total[:, None]
+    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit
@@ -611,6 +629,13 @@ def default_num_splits(
     return 1 << (max(wanted, 1).bit_length() - 1)
 
 
+def default_merge_chunk(num_splits: int, group: int, head_dim: int) -> int:
+    """Splits the in-launch merge loads at once: all of them, up to 8,192 fp32 values of
+    partials (64 registers a thread over 4 warps)."""
+    cap = max(1, 8192 // (triton.next_power_of_2(group) * head_dim))
+    return min(triton.next_power_of_2(num_splits), 1 << (cap.bit_length() - 1))
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -624,6 +649,7 @@ def paged_decode_attention(
     merge_kernel: bool = False,
     heads_first: bool = False,
     early_kv: bool = False,
+    merge_chunk: int | None = None,
 ) -> None:
     """Attention of one query per request over its whole cached context, into out.
 
@@ -641,6 +667,8 @@ def paged_decode_attention(
     whose kernels write no cache slot but each request's last key, on a stream where the step
     began with a host-to-device copy (which waits for all earlier kernels), as the runner's
     steps do: then the older slots, seq_lens and block_tables are final before the launch.
+    merge_chunk: splits of partials the in-launch merge loads at once (default_merge_chunk; 1
+    folds them one by one, a round trip to L2 each, for comparisons).
     """
     # q, out: [num_reqs, num_heads, head_dim]
     # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -652,6 +680,7 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = default_num_splits(num_reqs, num_kv_heads, max_seq_len, q.device)
     assert isinstance(num_splits, int) and num_splits >= 1, f"num_splits {num_splits}"
+    assert merge_chunk is None or _is_power_of_2(merge_chunk), f"merge_chunk {merge_chunk}"
     if num_reqs == 0:
         return
     group = num_heads // num_kv_heads
@@ -695,6 +724,8 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         USE_SCRATCH=use_scratch,
         MERGE=merge,
+        GROUP_P=triton.next_power_of_2(group),
+        MERGE_CHUNK=merge_chunk or default_merge_chunk(num_splits, group, head_dim),
         HEADS_FIRST=heads_first,
         DOT_PRECISION=_dot_precision(q.dtype),
         **pdl.launch_options(q.device),

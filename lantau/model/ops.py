@@ -167,6 +167,12 @@ class TritonOps(_Compositions):
         # the norms' weights, and rotary's positions, cos/sin and slots, loaded before the PDL
         # wait (pdl.py's contract); NOTE: not yet measured on the H200
         self.early_inputs = True
+        # decode attention's in-launch merge: splits of partials loaded at once (None: all, up
+        # to paged_attention.default_merge_chunk; 1: one by one, as before)
+        self.attn_merge_chunk: int | None = None
+        # (BLOCK_N, num_warps, num_stages) of decode attention with early KV loads (None: the
+        # kernel's default, 64 keys over 4 warps, where ptxas spills 1.5 KB a thread)
+        self.attn_early_config: tuple[int, int, int] | None = None
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         # batch 1, K <= preload_max_k: each GEMV program loads its whole weight slice
@@ -254,10 +260,12 @@ class TritonOps(_Compositions):
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         if meta.is_decode_only:
+            early_kv = q.shape[0] <= self.attn_early_kv_rows
             self._attn.paged_decode_attention(
                 q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
                 merge_kernel=not self.fuse_attn_merge, heads_first=self.attn_heads_first,
-                early_kv=q.shape[0] <= self.attn_early_kv_rows,
+                early_kv=early_kv, merge_chunk=self.attn_merge_chunk,
+                config=self.attn_early_config if early_kv else None,
             )  # fmt: skip
         else:
             self._attn.unified_attention(

@@ -8,7 +8,7 @@ A step's inputs reach the device in two copies: one int64 buffer (input ids, pos
 and for each row whose input token the previous step sampled on the device, that token's row
 in the runner's `prev_token_ids`, else -1) and one int32 buffer (sequence lengths, then block
 tables), staged in pinned host memory, padding rows included. The graph itself picks each
-row's input token from `prev_token_ids` or the host's ids. With `greedy_in_graph` (off, see
+row's input token from `prev_token_ids` or the host's ids. With `greedy_in_graph` (on, see
 there) it ends with the greedy pick of each row, written to `prev_token_ids` too: for an
 all-greedy batch the sampler takes it, so only the copy of the ids to the host runs between
 replays.
@@ -81,11 +81,11 @@ class CudaGraphRunner:
         self._turn = 0
         # bucket -> (graph, its logits [bs, vocab], its greedy ids [bs] or None)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
-        # the greedy pick inside the graph (see the module docstring). NOTE: off: no gain on the
-        # H200 (W2 4.039 / 4.036 vs 4.042 ms/token, same run, runs/2026-12-03k-w2_greedy_ab.log):
-        # the graph grows by the argmax's 60 us, what left the gap between replays; and a
-        # sampled (not greedy) batch would pay for it on every step
-        self.greedy_in_graph = False
+        # the greedy pick inside the graph (see the module docstring), through the argmax
+        # kernel: W2 3.866 vs 3.911 / 3.913 ms/token, same run (runs/2026-12-03m-gemv_ab.log);
+        # with the two-stage torch argmax it gained nothing (4.039 vs 4.042,
+        # runs/2026-12-03k-w2_greedy_ab.log). A sampled batch pays the kernel's few us
+        self.greedy_in_graph = True
         # that pick through the one-launch argmax kernel (as the sampler's `argmax_kernel`)
         self.argmax_kernel = True
 
@@ -117,7 +117,7 @@ class CudaGraphRunner:
         logits = self._forward(bs)
         if not self.greedy_in_graph:
             return logits, None
-        if self.argmax_kernel:
+        if self.argmax_kernel and logits.device.type == "cuda":
             from lantau.kernels.argmax import argmax
 
             token_ids = argmax(logits)  # [bs]
