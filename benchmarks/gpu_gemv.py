@@ -167,13 +167,15 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         # before the PDL wait (3.913 vs 3.907 off: noise, kept on) and the greedy pick inside
         # the graph through the argmax kernel (3.866, on since); now decode attention's merge
         # folding split partials one by one (as before), and its early-KV tiling at 8 warps
-        # (no spills) and at 32 keys
+        # (no spills) and at 32 keys, and rotary + KV write inside decode attention
         variants = [
             today,
             {**today, "attn_merge_chunk": 1},
             {**today, "attn_early_config": (64, 8, 2)},
             {**today, "attn_early_config": (32, 4, 2)},
             {**today, "attn_early_config": (32, 8, 2)},
+            {**today, "fuse_rope_attention": True},
+            {**today, "fuse_rope_attention": True, "attn_early_config": (64, 8, 2)},
             {**today, "greedy_in_graph": False},
             today,
         ]
@@ -200,6 +202,8 @@ def engine_runs(best_configs, w3: int, max_num_seqs: int) -> None:
         ops.attn_merge_chunk = variant.get("attn_merge_chunk")
         key += f"-merge_chunk{ops.attn_merge_chunk}" if ops.attn_merge_chunk else ""
         ops.attn_early_config = variant.get("attn_early_config")
+        ops.fuse_rope_attention = variant.get("fuse_rope_attention", False)
+        key += "-rope_in_attn" if ops.fuse_rope_attention else ""
         key += "-attn{}x{}x{}".format(*ops.attn_early_config) if ops.attn_early_config else ""
         core.runner.sampler.argmax_kernel = variant.get("argmax_kernel", True)
         key += "-argmax_kernel" if core.runner.sampler.argmax_kernel else ""

@@ -342,3 +342,70 @@ def test_launchers_reject_bad_inputs():
             q, b["kv_cache"], torch.empty_like(q), b["seq_lens"], b["block_tables"],
             b["max_seq_len"], b["scale"], num_splits=0,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_n", [64, 16])
+def test_decode_attention_with_rope_matches_rotary_then_attention(monkeypatch, dtype, block_n):
+    """`rope`: q, key and value straight from the projection, rotated and the key and value
+    stored inside the attention launch, as apply_rotary_and_write_kv then attention do: the
+    same outputs and the same cache, bit for bit. With 16-key tiles the step's own key often
+    lies past a split's first tile (stored, then read back by the same program); a padding row
+    (slot -1) stores nothing."""
+    from lantau.kernels.rotary import apply_rotary_and_write_kv
+    from lantau.model.llama import rope_inv_freq
+    from lantau.model.ops import build_cos_sin_cache
+
+    monkeypatch.setattr(pa, "_DECODE_BLOCK_N", block_n)
+    num_heads, num_kv_heads, head_dim = 6, 2, 32
+    b = make_batch([(70, 1), (45, 1), (1, 1), (129, 1)], num_heads, num_kv_heads, head_dim, dtype)
+    seq_lens = b["seq_lens"].long()
+    positions = seq_lens - 1
+    block = b["block_tables"].long().gather(1, (positions // 16)[:, None])[:, 0]
+    slot_mapping = block * 16 + positions % 16
+    slot_mapping[2] = -1  # a padding row
+    cache = b["kv_cache"].clone()
+    flat = cache.view(2, -1, num_kv_heads, head_dim)
+    flat[:, slot_mapping[slot_mapping >= 0]] = float("nan")  # the step's slots: not yet written
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = torch.split(qkv, [num_heads * head_dim] + [num_kv_heads * head_dim] * 2, dim=1)
+    q = q.view(4, num_heads, head_dim)
+    k, v = (t.view(4, num_kv_heads, head_dim) for t in (k, v))
+    cos_sin = build_cos_sin_cache(rope_inv_freq(head_dim, 10000.0, None), 256)
+    qkv_before = qkv.clone()
+
+    def attend(query, kv_cache, num_splits, rope=None):
+        out = torch.full_like(query, float("nan")).contiguous()
+        pa.paged_decode_attention(
+            query, kv_cache, out, b["seq_lens"], b["block_tables"], b["max_seq_len"],
+            b["scale"], num_splits=num_splits, early_kv=True, rope=rope,
+        )  # fmt: skip
+        return out
+
+    for num_splits in (1, 2, 4):
+        ref_cache, ref_q = cache.clone(), q.clone()
+        apply_rotary_and_write_kv(ref_q, k, v, positions, cos_sin, ref_cache, slot_mapping)
+        ref = attend(ref_q, ref_cache, num_splits)
+        fused_cache = cache.clone()
+        rope = pa.DecodeRope(k, v, positions, cos_sin, slot_mapping)
+        out = attend(q, fused_cache, num_splits, rope)
+        real = [0, 1, 3]
+        torch.testing.assert_close(out[real], ref[real], rtol=0, atol=0)
+        torch.testing.assert_close(fused_cache, ref_cache, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(qkv, qkv_before), "the projection's output was modified"
+        assert_matches(ref[real], engine_ref({**b, "q": ref_q, "kv_cache": ref_cache})[real], dtype)
+
+
+def test_decode_rope_rejects_bad_inputs():
+    b = make_batch([(20, 1)], 4, 2, 32, torch.float32)
+    kv = torch.zeros(1, 2, 32)
+    pos = torch.zeros(1, dtype=torch.int64)
+    cos_sin = torch.zeros(64, 32)
+    out = torch.empty_like(b["q"])
+    args = (b["q"], b["kv_cache"], out, b["seq_lens"], b["block_tables"], 20, 1.0)
+    with pytest.raises(AssertionError, match="early_kv"):
+        pa.paged_decode_attention(*args, rope=pa.DecodeRope(kv, kv, pos, cos_sin, pos))
+    bad = pa.DecodeRope(kv, kv, pos.int(), cos_sin, pos)
+    with pytest.raises(AssertionError, match="positions"):
+        pa.paged_decode_attention(*args, early_kv=True, rope=bad)

@@ -106,3 +106,50 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
         for key, ref in ref_step.items():
             err = ((out_step[key] - ref).norm() / ref.norm()).item()
             assert err < 1e-5, (key, err)
+
+
+def test_triton_backend_rope_inside_decode_attention(tiny_llama_dir, monkeypatch):
+    """fuse_rope_attention: decode steps of up to attn_early_kv_rows rows rotate and write the
+    KV cache inside the attention launch (no rotary launch); prefill steps keep the rotary
+    kernel; tokens and logits as the torch backend's, batch 1 and 3."""
+    from lantau.kernels import paged_attention, rotary
+
+    rotary_rows, rope_rows = [], []
+    original_rotary = rotary.apply_rotary_and_write_kv
+    original_attn = paged_attention.paged_decode_attention
+
+    def counting_rotary(q, *args, **kwargs):
+        rotary_rows.append(q.shape[0])
+        return original_rotary(q, *args, **kwargs)
+
+    def counting_attn(q, *args, **kwargs):
+        if kwargs.get("rope") is not None:
+            rope_rows.append(q.shape[0])
+        return original_attn(q, *args, **kwargs)
+
+    monkeypatch.setattr(rotary, "apply_rotary_and_write_kv", counting_rotary)
+    monkeypatch.setattr(paged_attention, "paged_decode_attention", counting_attn)
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (9, 23, 4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+            attention_backend=backend,
+        )  # fmt: skip
+        ops = llm.engine.core.runner.model.ops
+        ops.fuse_rope_attention, ops.attn_early_kv_rows = True, 8  # the torch ops ignore them
+        tokens, logits = [], []
+        for n in (1, 3):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params)
+            tokens.append([o.outputs[0].token_ids for o in outs])
+            logits.append(dict(llm.engine.core.runner.last_logits))
+        results[backend] = (tokens, logits)
+    assert set(rope_rows) == {1, 3}  # decode steps of one and three requests
+    assert rotary_rows and all(rows > 3 for rows in rotary_rows)  # prefills only
+    assert results["triton"][0] == results["torch"][0]
+    for ref_step, out_step in zip(results["torch"][1], results["triton"][1], strict=True):
+        for key, ref in ref_step.items():
+            err = ((out_step[key] - ref).norm() / ref.norm()).item()
+            assert err < 1e-5, (key, err)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -139,6 +140,17 @@ def _load_kv(k_base, v_base, slot, offs_d, mask):
     k = tl.load(k_base + slot[None, :] + offs_d[:, None], mask=mask[None, :], other=0.0)
     v = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
     return k, v
+
+
+@triton.jit
+def _rotate_row(ptrs, offs_d, mask, cos, sin, HEAD_DIM: tl.constexpr):
+    """Rotate-half rotary of the head vector(s) at ptrs (their last axis runs over the HEAD_DIM
+    dims offs_d), in fp32, 0 where not mask: x * cos + partner * sin, the partner of dim d being
+    d + h (d < h) or d - h, h = HEAD_DIM / 2, and sin carrying rotate-half's sign (-sin, d < h)."""
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    partner_offs = (offs_d + HEAD_DIM // 2) % HEAD_DIM - offs_d
+    partner = tl.load(ptrs + partner_offs, mask=mask, other=0.0).to(tl.float32)
+    return x * cos + partner * sin
 
 
 @triton.jit
@@ -277,6 +289,20 @@ def _paged_decode_split_kernel(
     # the split's first tile of keys and values read before pdl_wait, all but the step's own
     # key (seq_len - 1), which the kernel before writes (see paged_decode_attention)
     EARLY_KV: tl.constexpr = False,
+    # ROPE (with EARLY_KV): q, and the step's own key and value, come unrotated from the qkv
+    # projection (k_ptr, v_ptr: [num_reqs, num_kv_heads, HEAD_DIM] views); the kernel rotates q
+    # and the key at the request's position, and the split holding key seq_len - 1 stores it
+    # and the value to the request's cache slot (slot_ptr; -1: none)
+    ROPE: tl.constexpr = False,
+    k_ptr=None,
+    v_ptr=None,
+    pos_ptr=None,  # [num_reqs] int64
+    cos_sin_ptr=None,  # [max_position, HEAD_DIM] fp32
+    slot_ptr=None,  # [num_reqs] int64
+    stride_k_req=0,
+    stride_k_head=0,
+    stride_v_req=0,
+    stride_v_head=0,
 ):
     if not EARLY_KV:
         pdl_wait(USE_PDL)
@@ -312,19 +338,51 @@ def _paged_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     first = key_start  # the first key the loops below attend to
+    q_offs = req.to(tl.int64) * stride_q_req + head[:, None] * stride_q_head + offs_d[None, :]
     if EARLY_KV:
         k_pos, k_valid, slot = _tile_slots(
             table, key_start, key_end, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N
         )
         old = k_pos < seq_len - 1  # [BLOCK_N]: keys of earlier steps, within the split
         k, v = _load_kv(k_base, v_base, slot, offs_d, old & k_valid)
+        if ROPE:  # the position's angles and the slot: step inputs (pdl.py's contract)
+            half_d = offs_d % (HEAD_DIM // 2)
+            angles = cos_sin_ptr + tl.load(pos_ptr + req) * HEAD_DIM
+            cos = tl.load(angles + half_d)  # [HEAD_DIM]: cos f_(d mod h)
+            sin = tl.load(angles + HEAD_DIM // 2 + half_d)
+            sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)  # rotate-half's signs
+            new_slot = tl.load(slot_ptr + req)
         pdl_wait(USE_PDL)
         new = k_valid & ~old  # the step's own key, if this split holds it
-        k_new, v_new = _load_kv(k_base, v_base, slot, offs_d, new)
-        k = tl.where(new[None, :], k_new, k)
-        v = tl.where(new[:, None], v_new, v)
-    q_offs = req.to(tl.int64) * stride_q_req + head[:, None] * stride_q_head + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
+        if ROPE:
+            # the step's key and value from the projection, the key rotated and both rounded
+            # to the cache's dtype (as the rotary kernel stores them); stored by the one split
+            # that holds key seq_len - 1 before any tile of it is read back
+            holds_new = (key_start <= seq_len - 1) & (seq_len - 1 < key_end)
+            kv_ty = kv_ptr.dtype.element_ty
+            k_row = k_ptr + req.to(tl.int64) * stride_k_req + kv_head * stride_k_head
+            v_row = v_ptr + req.to(tl.int64) * stride_v_req + kv_head * stride_v_head
+            k_new = _rotate_row(k_row + offs_d, offs_d, offs_d >= 0, cos, sin, HEAD_DIM)
+            k_new = k_new.to(kv_ty)  # [HEAD_DIM]
+            v_new = tl.load(v_row + offs_d)
+            to_cache = holds_new & (new_slot >= 0)
+            dst = new_slot * stride_kv_slot + kv_head * stride_kv_head + offs_d
+            tl.store(kv_ptr + dst, k_new, mask=to_cache & (offs_d >= 0))
+            tl.store(kv_ptr + stride_kv_kv + dst, v_new, mask=to_cache & (offs_d >= 0))
+            tl.debug_barrier()  # stored before a later tile of this program reads it
+            k = tl.where(new[None, :], k_new[:, None], k)
+            v = tl.where(new[:, None], v_new[None, :], v)
+        else:
+            k_new, v_new = _load_kv(k_base, v_base, slot, offs_d, new)
+            k = tl.where(new[None, :], k_new, k)
+            v = tl.where(new[:, None], v_new, v)
+    if ROPE:  # q rotated in fp32, rounded to its dtype (as the rotary kernel stores it)
+        q = _rotate_row(
+            q_ptr + q_offs, offs_d[None, :], head_mask[:, None], cos[None, :], sin[None, :],
+            HEAD_DIM,
+        ).to(q_ptr.dtype.element_ty)  # fmt: skip
+    else:
+        q = tl.load(q_ptr + q_offs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
     if EARLY_KV and key_start < key_end:  # the first tile, scores past key_end masked
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
         s = tl.where(k_valid[None, :], s, float("-inf"))
@@ -629,6 +687,36 @@ def default_num_splits(
     return 1 << (max(wanted, 1).bit_length() - 1)
 
 
+class DecodeRope(NamedTuple):
+    """What paged_decode_attention's `rope` needs besides q: the step's keys and values as the
+    projection left them, [num_reqs, num_kv_heads, head_dim] (views into qkv), each request's
+    position and cache slot [num_reqs] (int64; slot -1: nothing stored) and the cos/sin cache
+    [max_position, head_dim] (fp32, lantau.model.ops.build_cos_sin_cache)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def check(self, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        num_reqs, head_dim = q.shape[0], q.shape[2]
+        kv_shape = (num_reqs, *kv_cache.shape[3:])
+        assert self.k.shape == kv_shape and self.v.shape == kv_shape, (
+            f"rope: k {tuple(self.k.shape)}, v {tuple(self.v.shape)}, expected {kv_shape}"
+        )
+        assert self.k.dtype == self.v.dtype == q.dtype, "rope: k, v and q dtypes differ"
+        assert self.k.stride(2) == 1 and self.v.stride(2) == 1, "rope: k, v dims not contiguous"
+        for name in ("positions", "slot_mapping"):
+            t = getattr(self, name)
+            assert t.shape == (num_reqs,) and t.dtype == torch.int64, f"rope: {name}"
+            assert t.is_contiguous(), f"rope: {name} not contiguous"
+        cs = self.cos_sin_cache
+        assert cs.dim() == 2 and cs.shape[1] == head_dim, f"rope: cos_sin {tuple(cs.shape)}"
+        assert cs.dtype == torch.float32 and cs.is_contiguous(), "rope: cos_sin fp32, contiguous"
+        assert kv_cache.is_contiguous(), "rope: the cache must be contiguous (slot addressing)"
+
+
 def default_merge_chunk(num_splits: int, group: int, head_dim: int) -> int:
     """Splits the in-launch merge loads at once: all of them, up to 8,192 fp32 values of
     partials (64 registers a thread over 4 warps)."""
@@ -650,6 +738,7 @@ def paged_decode_attention(
     heads_first: bool = False,
     early_kv: bool = False,
     merge_chunk: int | None = None,
+    rope: DecodeRope | None = None,
 ) -> None:
     """Attention of one query per request over its whole cached context, into out.
 
@@ -669,6 +758,10 @@ def paged_decode_attention(
     steps do: then the older slots, seq_lens and block_tables are final before the launch.
     merge_chunk: splits of partials the in-launch merge loads at once (default_merge_chunk; 1
     folds them one by one, a round trip to L2 each, for comparisons).
+    rope (with early_kv): q is the projection's, not yet rotated; the kernel does what
+    lantau.kernels.rotary.apply_rotary_and_write_kv would have done before it (q and the
+    step's key rotated, key and value stored to each request's slot) and attends with them: one
+    launch fewer. q itself is left as it was.
     """
     # q, out: [num_reqs, num_heads, head_dim]
     # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -681,6 +774,16 @@ def paged_decode_attention(
         num_splits = default_num_splits(num_reqs, num_kv_heads, max_seq_len, q.device)
     assert isinstance(num_splits, int) and num_splits >= 1, f"num_splits {num_splits}"
     assert merge_chunk is None or _is_power_of_2(merge_chunk), f"merge_chunk {merge_chunk}"
+    rope_args = {}
+    if rope is not None:
+        assert early_kv, "rope: only with early_kv (the key is read from the projection)"
+        rope.check(q, kv_cache)
+        rope_args = dict(
+            ROPE=True, k_ptr=rope.k, v_ptr=rope.v, pos_ptr=rope.positions,
+            cos_sin_ptr=rope.cos_sin_cache, slot_ptr=rope.slot_mapping,
+            stride_k_req=rope.k.stride(0), stride_k_head=rope.k.stride(1),
+            stride_v_req=rope.v.stride(0), stride_v_head=rope.v.stride(1),
+        )  # fmt: skip
     if num_reqs == 0:
         return
     group = num_heads // num_kv_heads
@@ -730,6 +833,7 @@ def paged_decode_attention(
         DOT_PRECISION=_dot_precision(q.dtype),
         **pdl.launch_options(q.device),
         EARLY_KV=early_kv,
+        **rope_args,
         num_warps=num_warps,
         num_stages=num_stages,
     )

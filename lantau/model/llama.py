@@ -67,12 +67,11 @@ class LlamaAttention(nn.Module):
     def attend(self, x: torch.Tensor, ctx: ForwardContext, ops: Ops, norm=None) -> torch.Tensor:
         """The qkv projection of x (of norm(x), x the residual stream, when `norm` is given),
         rotary, KV-cache write and attention: [num_tokens, q_size]."""
-        kv_cache = ctx.kv_caches[self.layer_idx]
-        q = ops.qkv_rotary_write_kv(
-            x, self.qkv_proj, self.num_heads, ctx.positions, ctx.cos_sin_cache, kv_cache,
-            ctx.attn.slot_mapping, norm=norm,
+        out = ops.qkv_attention(
+            x, self.qkv_proj, self.num_heads, ctx.positions, ctx.cos_sin_cache,
+            ctx.kv_caches[self.layer_idx], ctx.attn, self.scale, norm=norm,
         )  # fmt: skip
-        return ops.attention(q, kv_cache, ctx.attn, self.scale).reshape(-1, self.q_size)
+        return out.reshape(-1, self.q_size)
 
 
 class LlamaMLP(nn.Module):

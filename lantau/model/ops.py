@@ -66,6 +66,16 @@ class _Compositions:
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
         return self.rotary_and_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping)
 
+    def qkv_attention(
+        self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
+        meta: AttentionMetadata, scale: float, norm=None,
+    ) -> torch.Tensor:  # fmt: skip
+        """qkv_rotary_write_kv, then attention: [num_tokens, num_heads, head_dim]."""
+        q = self.qkv_rotary_write_kv(
+            x, layer, num_heads, positions, cos_sin_cache, kv_cache, meta.slot_mapping, norm
+        )
+        return self.attention(q, kv_cache, meta, scale)
+
 
 class TorchOps(_Compositions):
     name = "torch"
@@ -173,6 +183,9 @@ class TritonOps(_Compositions):
         # (BLOCK_N, num_warps, num_stages) of decode attention with early KV loads (None: the
         # kernel's default, 64 keys over 4 warps, where ptxas spills 1.5 KB a thread)
         self.attn_early_config: tuple[int, int, int] | None = None
+        # decode batches of at most attn_early_kv_rows: rotary and the KV write inside decode
+        # attention (paged_decode_attention's `rope`). NOTE: off until measured on the H200
+        self.fuse_rope_attention = False
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         # batch 1, K <= preload_max_k: each GEMV program loads its whole weight slice
@@ -228,6 +241,33 @@ class TritonOps(_Compositions):
         return super().qkv_rotary_write_kv(
             x, layer, num_heads, positions, cos_sin_cache, kv_cache, slot_mapping, norm=norm
         )
+
+    def qkv_attention(
+        self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
+        meta: AttentionMetadata, scale: float, norm=None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Small decode batches (early KV loads): rotary and the KV write inside the attention
+        launch (`fuse_rope_attention`), one launch fewer a layer."""
+        rows = x.shape[0]
+        qkv_rope = self.use_gemv and self.fuse_qkv_rope and rows == 1
+        if not (
+            self.fuse_rope_attention and meta.is_decode_only and not qkv_rope
+            and rows <= self.attn_early_kv_rows
+        ):  # fmt: skip
+            return super().qkv_attention(
+                x, layer, num_heads, positions, cos_sin_cache, kv_cache, meta, scale, norm
+            )
+        qkv = self.linear(x, layer) if norm is None else self.norm_linear(x, norm, layer)
+        num_kv_heads, head_dim = kv_cache.shape[3:]
+        q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        self._attn.paged_decode_attention(
+            q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
+            merge_kernel=not self.fuse_attn_merge, heads_first=self.attn_heads_first,
+            early_kv=True, merge_chunk=self.attn_merge_chunk, config=self.attn_early_config,
+            rope=self._attn.DecodeRope(k, v, positions, cos_sin_cache, meta.slot_mapping),
+        )  # fmt: skip
+        return out
 
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         if self.use_gemv and self.fuse_gate_silu and x.shape[0] == 1:
