@@ -11,18 +11,24 @@ rotary + KV write, attention; the GEMVs alone (no norms, rotary, attention) and 
 (no GEMVs). Each GEMV row also gives the weight bytes over the time it adds, in TB/s, and the
 GEMVs-alone row against the step's weight bytes over the same run's copy bandwidth.
 
-    PYTHONPATH=. python3 benchmarks/gpu_w2_ablate.py
+With --attn-sweep, then: the same graph with decode attention's knobs changed one set at a
+time (tiles, splits, the merge, early KV loads), each set's GPU time, and W2 itself with the
+fastest set against the engine's default, alternated twice, greedy tokens checked.
+
+    PYTHONPATH=. python3 benchmarks/gpu_w2_ablate.py [--attn-sweep]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
 import torch
 
-from lantau import LLM
-from lantau.bench.offline import batch1_graph, measure_ceilings, replay_ms
+from lantau import LLM, SamplingParams
+from lantau.bench.offline import batch1_graph, measure_ceilings, replay_ms, run_lantau
+from lantau.bench.workloads import make_workload
 
 OUT = os.environ.get("OUT", ".")
 GEMVS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
@@ -76,7 +82,69 @@ class Ablation:
             self.ops.__dict__.pop(name, None)
 
 
+ATTN_SETS = [
+    {},
+    {"attn_early_config": (32, 4, 2)},
+    {"attn_early_config": (32, 4, 3)},
+    {"attn_early_config": (16, 4, 2)},
+    {"attn_num_splits": 4},
+    {"attn_num_splits": 8},
+    {"attn_num_splits": 32},
+    {"attn_num_splits": 8, "attn_early_config": (32, 4, 2)},
+    {"attn_num_splits": 32, "attn_early_config": (32, 4, 2)},
+    {"attn_num_splits": 1},
+    {"fuse_attn_merge": False},
+    {"attn_heads_first": False},
+    {"attn_early_kv_rows": 0},
+    {},
+]
+
+
+def attention_sweep(llm, results: dict) -> list[str]:
+    core = llm.engine.core
+    ops, block_size = core.runner.model.ops, llm.config.cache.block_size
+    defaults = {key: getattr(ops, key) for s in ATTN_SETS for key in s}
+    table, timed = [], []
+    for knobs in ATTN_SETS:
+        for key, value in {**defaults, **knobs}.items():
+            setattr(ops, key, value)
+        core.runner.capture_cuda_graphs()
+        graph = batch1_graph(core.runner.graphs, 384, block_size)
+        ms = min(replay_ms(graph, 50) for _ in range(3))
+        label = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+        timed.append((ms, knobs))
+        results.setdefault("attn_sweep", []).append({"knobs": label, "graph_ms": ms})
+        table.append(f"| graph, attention {label} | {ms:.3f} ms | |")
+        print(table[-1], flush=True)
+    best = min(timed, key=lambda t: t[0])[1]
+    w2 = make_workload("W2", 128256)
+    check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
+    reference = None
+    for knobs in (defaults, best, defaults, best):
+        for key, value in {**defaults, **knobs}.items():
+            setattr(ops, key, value)
+        core.runner.capture_cuda_graphs()
+        llm.reset_prefix_cache()
+        tokens = llm.generate({"prompt_token_ids": w2.prompts[0]}, check)[0].outputs[0].token_ids
+        reference = reference or tokens
+        same = next(
+            (i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), 32
+        )
+        stats = run_lantau(llm, w2).summary()
+        label = ", ".join(f"{k}={v}" for k, v in knobs.items() if defaults[k] != v) or "default"
+        results.setdefault("attn_w2", []).append({"knobs": label, **stats})
+        table.append(
+            f"| W2, attention {label} | {stats['ms_per_token']:.3f} ms/token | "
+            f"GPU util {stats['gpu_util_pct']}%; {same}/32 greedy tokens as the default's |"
+        )
+        print(table[-1], flush=True)
+    return table
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--attn-sweep", action="store_true")
+    args = parser.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     llm = LLM("random:llama3-8b", max_model_len=4096, max_num_seqs=1, max_num_batched_tokens=4096)
     core = llm.engine.core
@@ -126,8 +194,10 @@ def main() -> None:
             note += f"; weight-read floor {floor:.3f} ms at the copy's {ceilings['copy_tb_s']} TB/s"
         table.append(f"| {label} | {ms:.3f} ms | {note} |")
         print(table[-1], flush=True)
+    if args.attn_sweep:
+        table += attention_sweep(llm, results)
     with open(os.path.join(OUT, "gpu_w2_ablate.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump(results, f, indent=1, default=str)
     print("\n| W2 decode graph, batch 1, 384 keys | GPU time a replay | what it says |")
     print("| --- | --- | --- |")
     print("\n".join(table))

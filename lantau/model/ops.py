@@ -183,8 +183,11 @@ class TritonOps(_Compositions):
         # (BLOCK_N, num_warps, num_stages) of decode attention with early KV loads (None: the
         # kernel's default, 64 keys over 4 warps, where ptxas spills 1.5 KB a thread)
         self.attn_early_config: tuple[int, int, int] | None = None
+        # decode attention's splits of each context (None: paged_attention.default_num_splits)
+        self.attn_num_splits: int | None = None
         # decode batches of at most attn_early_kv_rows: rotary and the KV write inside decode
-        # attention (paged_decode_attention's `rope`). NOTE: off until measured on the H200
+        # attention (paged_decode_attention's `rope`). NOTE: off: slower on the H200 (W2 3.959
+        # vs 3.905 ms/token, graph 3.935 vs 3.879 ms, same run, runs/2026-12-03n-gemv_ab.log)
         self.fuse_rope_attention = False
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
@@ -265,6 +268,7 @@ class TritonOps(_Compositions):
             q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
             merge_kernel=not self.fuse_attn_merge, heads_first=self.attn_heads_first,
             early_kv=True, merge_chunk=self.attn_merge_chunk, config=self.attn_early_config,
+            num_splits=self.attn_num_splits,
             rope=self._attn.DecodeRope(k, v, positions, cos_sin_cache, meta.slot_mapping),
         )  # fmt: skip
         return out
@@ -306,6 +310,7 @@ class TritonOps(_Compositions):
                 merge_kernel=not self.fuse_attn_merge, heads_first=self.attn_heads_first,
                 early_kv=early_kv, merge_chunk=self.attn_merge_chunk,
                 config=self.attn_early_config if early_kv else None,
+                num_splits=self.attn_num_splits,
             )  # fmt: skip
         else:
             self._attn.unified_attention(
