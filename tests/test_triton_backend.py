@@ -62,26 +62,13 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
         "gemv",
         lambda x, *a, **k: (calls.append((x.shape[0], *sorted(k))), original(x, *a, **k))[1],
     )
-    rng = random.Random(5)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (9, 23, 4)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    results = {}
-    for backend in ("torch", "triton"):
-        llm = LLM(
-            str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
-            attention_backend=backend,
-        )  # fmt: skip
-        ops = llm.engine.core.runner.model.ops
-        # the torch ops ignore these
+
+    def configure(ops):  # the torch ops ignore these
         ops.fuse_decode, ops.fuse_gate_silu, ops.gemv_preload = fuse_decode, fuse_gate_silu, preload
         ops.fuse_qkv_rope = rope
         ops.attn_early_kv_rows = 8 if rope else 0  # decode attention's first tiles apart too
-        tokens, logits = [], []
-        for n in (1, 3):  # one request alone, then three together
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params)
-            tokens.append([o.outputs[0].token_ids for o in outs])
-            logits.append(dict(llm.engine.core.runner.last_logits))
-        results[backend] = (tokens, logits)
+
+    results = _small_batches_both_backends(tiny_llama_dir, configure, seed=5)
     assert calls and {c[0] for c in calls} == {1}  # batch 1 only (ops.gemv_max_m)
     fusions = {c[1:] for c in calls}  # per layer: qkv and gate_up after a norm, o and down
     if fuse_decode and rope and preload:
@@ -101,11 +88,7 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
         assert fusions == {("preload",)}
     else:
         assert fusions == {()}
-    assert results["triton"][0] == results["torch"][0]
-    for ref_step, out_step in zip(results["torch"][1], results["triton"][1], strict=True):
-        for key, ref in ref_step.items():
-            err = ((out_step[key] - ref).norm() / ref.norm()).item()
-            assert err < 1e-5, (key, err)
+    _assert_same_tokens_and_logits(results)
 
 
 def test_triton_backend_rope_inside_decode_attention(tiny_llama_dir, monkeypatch):
@@ -129,7 +112,20 @@ def test_triton_backend_rope_inside_decode_attention(tiny_llama_dir, monkeypatch
 
     monkeypatch.setattr(rotary, "apply_rotary_and_write_kv", counting_rotary)
     monkeypatch.setattr(paged_attention, "paged_decode_attention", counting_attn)
-    rng = random.Random(6)
+
+    def configure(ops):  # the torch ops ignore these
+        ops.fuse_rope_attention, ops.attn_early_kv_rows = True, 8
+
+    results = _small_batches_both_backends(tiny_llama_dir, configure, seed=6)
+    assert set(rope_rows) == {1, 3}  # decode steps of one and three requests
+    assert rotary_rows and all(rows > 3 for rows in rotary_rows)  # prefills only
+    _assert_same_tokens_and_logits(results)
+
+
+def _small_batches_both_backends(tiny_llama_dir, configure, seed: int) -> dict:
+    """backend -> (greedy tokens, last logits) of one request alone, then three together, with
+    configure(ops) applied to each backend's ops first."""
+    rng = random.Random(seed)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (9, 23, 4)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     results = {}
@@ -138,16 +134,17 @@ def test_triton_backend_rope_inside_decode_attention(tiny_llama_dir, monkeypatch
             str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
             attention_backend=backend,
         )  # fmt: skip
-        ops = llm.engine.core.runner.model.ops
-        ops.fuse_rope_attention, ops.attn_early_kv_rows = True, 8  # the torch ops ignore them
+        configure(llm.engine.core.runner.model.ops)
         tokens, logits = [], []
         for n in (1, 3):
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params)
             tokens.append([o.outputs[0].token_ids for o in outs])
             logits.append(dict(llm.engine.core.runner.last_logits))
         results[backend] = (tokens, logits)
-    assert set(rope_rows) == {1, 3}  # decode steps of one and three requests
-    assert rotary_rows and all(rows > 3 for rows in rotary_rows)  # prefills only
+    return results
+
+
+def _assert_same_tokens_and_logits(results: dict) -> None:
     assert results["triton"][0] == results["torch"][0]
     for ref_step, out_step in zip(results["torch"][1], results["triton"][1], strict=True):
         for key, ref in ref_step.items():
