@@ -82,20 +82,15 @@ class Ablation:
             self.ops.__dict__.pop(name, None)
 
 
-ATTN_SETS = [
+ATTN_SETS = [  # runs/2026-12-03o-attn_sweep.log swept tiles, splits and merges one at a time
     {},
-    {"attn_early_config": (32, 4, 2)},
-    {"attn_early_config": (32, 4, 3)},
-    {"attn_early_config": (16, 4, 2)},
-    {"attn_num_splits": 4},
     {"attn_num_splits": 8},
-    {"attn_num_splits": 32},
-    {"attn_num_splits": 8, "attn_early_config": (32, 4, 2)},
-    {"attn_num_splits": 32, "attn_early_config": (32, 4, 2)},
-    {"attn_num_splits": 1},
+    {"attn_num_splits": 8, "fuse_attn_merge": False},
+    {"attn_early_config": (32, 4, 2)},
+    {"attn_early_config": (32, 4, 2), "fuse_attn_merge": False},
+    {"attn_early_config": (32, 4, 2), "attn_num_splits": 32, "fuse_attn_merge": False},
     {"fuse_attn_merge": False},
-    {"attn_heads_first": False},
-    {"attn_early_kv_rows": 0},
+    {"attn_num_splits": 8},
     {},
 ]
 
