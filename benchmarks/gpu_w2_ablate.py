@@ -84,13 +84,13 @@ class Ablation:
 
 ATTN_SETS = [  # runs/2026-12-03o-attn_sweep.log swept tiles, splits and merges one at a time
     {},
+    {"attn_early_merge_kernel": True},
     {"attn_num_splits": 8},
-    {"attn_num_splits": 8, "fuse_attn_merge": False},
+    {"attn_num_splits": 8, "attn_early_merge_kernel": True},
     {"attn_early_config": (32, 4, 2)},
-    {"attn_early_config": (32, 4, 2), "fuse_attn_merge": False},
-    {"attn_early_config": (32, 4, 2), "attn_num_splits": 32, "fuse_attn_merge": False},
-    {"fuse_attn_merge": False},
-    {"attn_num_splits": 8},
+    {"attn_early_config": (32, 4, 2), "attn_early_merge_kernel": True},
+    {"attn_early_config": (16, 4, 1), "attn_early_merge_kernel": True},
+    {"attn_early_merge_kernel": True},
     {},
 ]
 

@@ -185,6 +185,8 @@ class TritonOps(_Compositions):
         self.attn_early_config: tuple[int, int, int] | None = None
         # decode attention's splits of each context (None: paged_attention.default_num_splits)
         self.attn_num_splits: int | None = None
+        # early-KV batches: decode attention's splits merged by a second launch, not in-launch
+        self.attn_early_merge_kernel = False
         # decode batches of at most attn_early_kv_rows: rotary and the KV write inside decode
         # attention (paged_decode_attention's `rope`). NOTE: off: slower on the H200 (W2 3.959
         # vs 3.905 ms/token, graph 3.935 vs 3.879 ms, same run, runs/2026-12-03n-gemv_ab.log)
@@ -266,8 +268,9 @@ class TritonOps(_Compositions):
         out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
         self._attn.paged_decode_attention(
             q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
-            merge_kernel=not self.fuse_attn_merge, heads_first=self.attn_heads_first,
-            early_kv=True, merge_chunk=self.attn_merge_chunk, config=self.attn_early_config,
+            merge_kernel=not self.fuse_attn_merge or self.attn_early_merge_kernel,
+            heads_first=self.attn_heads_first, early_kv=True, merge_chunk=self.attn_merge_chunk,
+            config=self.attn_early_config,
             num_splits=self.attn_num_splits,
             rope=self._attn.DecodeRope(k, v, positions, cos_sin_cache, meta.slot_mapping),
         )  # fmt: skip
@@ -305,12 +308,12 @@ class TritonOps(_Compositions):
         out = torch.empty_like(q)
         if meta.is_decode_only:
             early_kv = q.shape[0] <= self.attn_early_kv_rows
+            second_merge = not self.fuse_attn_merge or early_kv and self.attn_early_merge_kernel
             self._attn.paged_decode_attention(
                 q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
-                merge_kernel=not self.fuse_attn_merge, heads_first=self.attn_heads_first,
-                early_kv=early_kv, merge_chunk=self.attn_merge_chunk,
+                merge_kernel=second_merge, heads_first=self.attn_heads_first, early_kv=early_kv,
+                merge_chunk=self.attn_merge_chunk, num_splits=self.attn_num_splits,
                 config=self.attn_early_config if early_kv else None,
-                num_splits=self.attn_num_splits,
             )  # fmt: skip
         else:
             self._attn.unified_attention(
