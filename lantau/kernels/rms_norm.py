@@ -28,6 +28,18 @@ def _normalize_row(x, weight, out_ptr, hidden_size, eps):
 
 
 @triton.jit
+def _weight_and_wait(weight_ptr, offs, mask, USE_PDL: tl.constexpr, EARLY: tl.constexpr):
+    """The norm's weight in fp32, and the PDL wait: the weight first when EARLY (no kernel
+    writes it), else after."""
+    if EARLY:
+        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
+    if not EARLY:
+        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return weight
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     weight_ptr,
@@ -43,11 +55,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
     mask = offs < hidden_size
-    if EARLY:  # the weight before the PDL wait: no kernel writes it
-        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    pdl_wait(USE_PDL)
-    if not EARLY:
-        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    weight = _weight_and_wait(weight_ptr, offs, mask, USE_PDL, EARLY)
     x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
     out = _normalize_row(x, weight, out_ptr, hidden_size, eps)
     tl.store(out_ptr + row * out_row_stride + offs, out, mask=mask)
@@ -69,11 +77,7 @@ def _fused_add_rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
     mask = offs < hidden_size
-    if EARLY:  # the weight before the PDL wait: no kernel writes it
-        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    pdl_wait(USE_PDL)
-    if not EARLY:
-        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    weight = _weight_and_wait(weight_ptr, offs, mask, USE_PDL, EARLY)
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * residual_row_stride
     x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)

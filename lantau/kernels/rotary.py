@@ -180,6 +180,14 @@ def apply_rotary_ref(
 
 
 @triton.jit
+def _token_inputs(cos_sin_cache_ptr, positions_ptr, slot_mapping_ptr, token,
+                  HALF_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    """A token's cos and sin (at its position) and its cache slot."""
+    cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
+    return cos, sin, tl.load(slot_mapping_ptr + token)
+
+
+@triton.jit
 def _rotary_write_kv_kernel(
     q_ptr,
     k_ptr,
@@ -208,12 +216,14 @@ def _rotary_write_kv_kernel(
     # kernel of the step writes, and a constant (pdl.py's contract)
     token = tl.program_id(0).to(tl.int64)
     if EARLY:
-        cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
-        slot = tl.load(slot_mapping_ptr + token)
+        cos, sin, slot = _token_inputs(
+            cos_sin_cache_ptr, positions_ptr, slot_mapping_ptr, token, HALF_DIM, BLOCK_HALF
+        )
     pdl_wait(USE_PDL)
     if not EARLY:
-        cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
-        slot = tl.load(slot_mapping_ptr + token)
+        cos, sin, slot = _token_inputs(
+            cos_sin_cache_ptr, positions_ptr, slot_mapping_ptr, token, HALF_DIM, BLOCK_HALF
+        )
     _rotate_heads(
         q_ptr + token * q_row_stride, q_head_stride, num_heads, cos, sin,
         HALF_DIM, BLOCK_Q_HEADS, BLOCK_HALF,

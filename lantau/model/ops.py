@@ -175,7 +175,8 @@ class TritonOps(_Compositions):
         # (runs/2026-12-03h-gemv_ab.log); measured at 1 row, 2-8 by analogy (latency-bound)
         self.attn_early_kv_rows = 8
         # the norms' weights, and rotary's positions, cos/sin and slots, loaded before the PDL
-        # wait (pdl.py's contract); NOTE: not yet measured on the H200
+        # wait (pdl.py's contract): no measurable effect on the H200 (W2 3.913 vs 3.907 off,
+        # same run, runs/2026-12-03m-gemv_ab.log); one dependent load fewer after the wait
         self.early_inputs = True
         # decode attention's in-launch merge: splits of partials loaded at once (None: all, up
         # to paged_attention.default_merge_chunk; 1: one by one, as before)
@@ -265,16 +266,8 @@ class TritonOps(_Compositions):
         qkv = self.linear(x, layer) if norm is None else self.norm_linear(x, norm, layer)
         num_kv_heads, head_dim = kv_cache.shape[3:]
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-        out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
-        self._attn.paged_decode_attention(
-            q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
-            merge_kernel=not self.fuse_attn_merge or self.attn_early_merge_kernel,
-            heads_first=self.attn_heads_first, early_kv=True, merge_chunk=self.attn_merge_chunk,
-            config=self.attn_early_config,
-            num_splits=self.attn_num_splits,
-            rope=self._attn.DecodeRope(k, v, positions, cos_sin_cache, meta.slot_mapping),
-        )  # fmt: skip
-        return out
+        rope = self._attn.DecodeRope(k, v, positions, cos_sin_cache, meta.slot_mapping)
+        return self._decode_attention(q, kv_cache, meta, scale, rope)
 
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         if self.use_gemv and self.fuse_gate_silu and x.shape[0] == 1:
@@ -304,22 +297,29 @@ class TritonOps(_Compositions):
     def silu_and_mul(self, x) -> torch.Tensor:
         return self._act.silu_and_mul(x)
 
+    def _decode_attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, rope=None):
+        """Split-context decode attention with this instance's knobs (early KV loads for up to
+        attn_early_kv_rows rows, with their tiling and merge); `rope` as
+        paged_decode_attention's. Returns out, [num_reqs, num_heads, head_dim]."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        early_kv = q.shape[0] <= self.attn_early_kv_rows
+        second_merge = not self.fuse_attn_merge or early_kv and self.attn_early_merge_kernel
+        self._attn.paged_decode_attention(
+            q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
+            merge_kernel=second_merge, heads_first=self.attn_heads_first, early_kv=early_kv,
+            merge_chunk=self.attn_merge_chunk, num_splits=self.attn_num_splits,
+            config=self.attn_early_config if early_kv else None, rope=rope,
+        )  # fmt: skip
+        return out
+
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
         if meta.is_decode_only:
-            early_kv = q.shape[0] <= self.attn_early_kv_rows
-            second_merge = not self.fuse_attn_merge or early_kv and self.attn_early_merge_kernel
-            self._attn.paged_decode_attention(
-                q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
-                merge_kernel=second_merge, heads_first=self.attn_heads_first, early_kv=early_kv,
-                merge_chunk=self.attn_merge_chunk, num_splits=self.attn_num_splits,
-                config=self.attn_early_config if early_kv else None,
-            )  # fmt: skip
-        else:
-            self._attn.unified_attention(
-                q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                meta.max_query_len, meta.max_seq_len, scale,
-            )  # fmt: skip
+            return self._decode_attention(q, kv_cache, meta, scale)
+        out = torch.empty_like(q)
+        self._attn.unified_attention(
+            q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            meta.max_query_len, meta.max_seq_len, scale,
+        )  # fmt: skip
         return out
 
 

@@ -25,7 +25,7 @@ from lantau.config import EngineConfig
 from lantau.kv_cache.manager import cdiv
 from lantau.model.llama import LlamaForCausalLM
 from lantau.runner.attention import AttentionMetadata, ForwardContext
-from lantau.sampling.sampler import argmax_rows
+from lantau.sampling.sampler import greedy_pick
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +117,7 @@ class CudaGraphRunner:
         logits = self._forward(bs)
         if not self.greedy_in_graph:
             return logits, None
-        if self.argmax_kernel and logits.device.type == "cuda":
-            from lantau.kernels.argmax import argmax
-
-            token_ids = argmax(logits)  # [bs]
-        else:
-            token_ids = argmax_rows(logits)
+        token_ids = greedy_pick(logits, self.argmax_kernel)  # [bs]
         self.prev_token_ids[:bs].copy_(token_ids)
         return logits, token_ids
 

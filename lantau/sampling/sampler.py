@@ -259,6 +259,16 @@ class PendingSample:
         )
 
 
+def greedy_pick(logits: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """Each row's argmax, [num_rows] int64: on CUDA with `kernel`, the one-launch Triton kernel
+    (lantau/kernels/argmax.py), else argmax_rows."""
+    if kernel and logits.device.type == "cuda":
+        from lantau.kernels.argmax import argmax
+
+        return argmax(logits)
+    return argmax_rows(logits)
+
+
 class Sampler:
     """Picks one token per row of a logits batch; see the module docstring for semantics."""
 
@@ -273,11 +283,7 @@ class Sampler:
         self.argmax_kernel = True
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.argmax_kernel and logits.device.type == "cuda":
-            from lantau.kernels.argmax import argmax
-
-            return argmax(logits)
-        return argmax_rows(logits)
+        return greedy_pick(logits, self.argmax_kernel)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).resolve()
