@@ -55,7 +55,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def check_kernels() -> None:
     import triton.testing
 
-    from lantau.kernels import activation, kv_cache_write, paged_attention, rms_norm, rotary
+    from lantau.kernels import (
+        activation,
+        embedding,
+        kv_cache_write,
+        paged_attention,
+        rms_norm,
+        rotary,
+    )
     from lantau.model.llama import rope_inv_freq
     from lantau.model.ops import build_cos_sin_cache
     from lantau.model.random_weights import RANDOM_SHAPES
@@ -98,6 +105,13 @@ def check_kernels() -> None:
     kv_cache_write.write_kv_cache(kk, vv, kv, slots)
     kv_cache_write.write_kv_cache_ref(kk, vv, kv2, slots)
     res["write_kv_cache"] = rel_err(kv, kv2)
+    table = torch.randn(128256, 4096, device=dev, dtype=bf16)
+    ids = torch.randint(0, 128256, (t,), device=dev)
+    prev = torch.randint(0, 128256, (512,), device=dev)
+    src = torch.where(torch.rand(t, device=dev) < 0.5, torch.randint(0, 512, (t,), device=dev), -1)
+    res["embedding_pick"] = rel_err(
+        embedding.embedding(ids, table, src, prev), embedding.embedding_ref(ids, table, src, prev)
+    )
     res.update(check_attention(paged_attention, dev, bf16))
     RESULTS["kernels"] = res
     worst = max(v for k_, v in res.items() if not k_.endswith(("_tb_s", "_ms", "_us")))

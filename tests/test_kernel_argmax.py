@@ -51,3 +51,16 @@ def test_argmax_of_a_strided_view_and_bad_inputs():
         am.argmax(base.t())
     with pytest.raises(AssertionError, match="int"):
         am.argmax(torch.zeros(2, 5, dtype=torch.int32))
+
+
+def test_argmax_into_out_view():
+    """Into a view of a longer buffer (the decode graph's prev_token_ids): only those rows."""
+    logits = torch.randn(3, 700, generator=torch.Generator().manual_seed(2))
+    buffer = torch.full((5,), -7, dtype=torch.int64)
+    ids = am.argmax(logits, out=buffer[:3])
+    assert ids.data_ptr() == buffer.data_ptr()
+    assert buffer.tolist() == [*logits.argmax(-1).tolist(), -7, -7]
+    with pytest.raises(AssertionError, match="out"):
+        am.argmax(logits, out=buffer[:2])
+    with pytest.raises(AssertionError, match="out"):
+        am.argmax(logits, out=torch.zeros(3, dtype=torch.int32))

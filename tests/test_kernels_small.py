@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from lantau.config import RopeScaling  # noqa: E402
 from lantau.kernels import activation  # noqa: E402
 from lantau.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from lantau.kernels.embedding import embedding, embedding_ref  # noqa: E402
 from lantau.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref  # noqa: E402
 from lantau.kernels.rms_norm import (  # noqa: E402
     fused_add_rms_norm,
@@ -257,6 +258,29 @@ def test_silu_and_mul(
 # ---------------------------------------------------------------- bad input
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 1000, 2500])  # one, one partial, three programs a row
+def test_embedding_with_device_picked_ids(dtype: torch.dtype, hidden: int) -> None:
+    """Plain lookups, and rows whose id comes from prev_ids (the previous step's samples), as
+    torch's where + embedding do; the weight rows copied exactly."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(300, hidden, generator=gen).to(dtype)
+    ids = torch.tensor([5, 299, 0, 17, 42], dtype=torch.int64)
+    assert torch.equal(embedding(ids, weight), torch.nn.functional.embedding(ids, weight))
+    prev = torch.tensor([250, 7, 123], dtype=torch.int64)
+    src = torch.tensor([-1, 2, -1, 0, 1], dtype=torch.int64)
+    out = embedding(ids, weight, src, prev)
+    assert torch.equal(out, embedding_ref(ids, weight, src, prev))
+    assert torch.equal(out[1], weight[123]) and torch.equal(out[3], weight[250])
+    assert torch.equal(out[0], weight[5]) and torch.equal(out[4], weight[7])
+    # a strided weight view (rows of a wider table)
+    wide = torch.randn(300, hidden + 8, generator=gen).to(dtype)
+    assert torch.equal(embedding(ids, wide[:, :hidden]), wide[ids, :hidden])
+    # TorchOps and TritonOps agree
+    triton_out = ops.TritonOps().embed(ids, weight, src, prev)
+    assert torch.equal(triton_out, ops.TorchOps.embed(ids, weight, src, prev))
+
+
 def test_launchers_reject_bad_inputs() -> None:
     f32, f16 = torch.float32, torch.float16
     key = torch.randn(3, 2, 64)
@@ -295,6 +319,16 @@ def test_launchers_reject_bad_inputs() -> None:
         apply_rotary(q, k, positions, torch.zeros(16, 32, dtype=f32))
     with pytest.raises(AssertionError):  # wrong number of positions
         apply_rotary(q, k, torch.arange(4), cos_sin_cache)
+
+    ids, table = torch.arange(3), torch.randn(10, 16)
+    with pytest.raises(AssertionError, match="input_ids"):  # int32 ids
+        embedding(ids.int(), table)
+    with pytest.raises(AssertionError, match="go together"):  # a source without prev_ids
+        embedding(ids, table, pick_src=ids)
+    with pytest.raises(AssertionError, match="pick_src"):  # one source short
+        embedding(ids, table, ids[:2], ids)
+    with pytest.raises(AssertionError, match="weight"):  # transposed table
+        embedding(ids, table.t())
 
     with pytest.raises(AssertionError):  # odd width
         silu_and_mul(torch.randn(3, 97))

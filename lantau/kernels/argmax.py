@@ -68,14 +68,18 @@ def _buffers(device: torch.device, num_rows: int) -> tuple[torch.Tensor, torch.T
     return _scratch[device]
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits.argmax(-1) for [R, V] logits (fp32, fp16, bf16; last dim contiguous) in one
-    launch: [R] int64. Rows holding NaN give an unspecified index (torch gives the NaN's)."""
+    launch: [R] int64, into `out` if given. Rows holding NaN give an unspecified index (torch
+    gives the NaN's)."""
     assert logits.dim() == 2 and logits.stride(1) == 1, f"logits {tuple(logits.shape)}"
     assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16), f"{logits.dtype}"
     num_rows, vocab_size = logits.shape
     assert 0 < vocab_size < 2**31, f"vocab_size {vocab_size}"
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    assert out.shape == (num_rows,) and out.dtype == torch.int64, f"out {tuple(out.shape)}"
+    assert out.device == logits.device and out.stride(0) == 1, "out: contiguous, logits' device"
     if num_rows == 0:
         return out
     best, count = _buffers(logits.device, num_rows)

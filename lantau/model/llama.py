@@ -151,11 +151,18 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: a plain attribute, not a buffer: it stays fp32 whatever the model's dtype
         self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(device), max_positions)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        pick: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """input_ids: [num_tokens] -> the residual stream after the last layer, [num_tokens,
-        hidden_size] (the final norm is compute_logits', on the rows that need logits)."""
+        hidden_size] (the final norm is compute_logits', on the rows that need logits).
+        pick: (pick_src, prev_ids), token i's id taken from prev_ids[pick_src[i]] where
+        pick_src[i] >= 0 (Ops.embed)."""
         ctx.cos_sin_cache = self.cos_sin_cache
-        x = self.model.embed_tokens(input_ids)
+        x = self.ops.embed(input_ids, self.model.embed_tokens.weight, *(pick or ()))
         if self.ops.fuses(x.shape[0]):
             for layer in self.model.layers:
                 x = layer.forward_fused(x, ctx, self.ops)

@@ -81,6 +81,14 @@ class TorchOps(_Compositions):
     name = "torch"
 
     @staticmethod
+    def embed(input_ids, weight, pick_src=None, prev_ids=None) -> torch.Tensor:
+        """weight[ids]: [num_tokens, hidden]; with pick_src, row i's id is prev_ids[pick_src[i]]
+        where pick_src[i] >= 0 (a token the previous step sampled on the device)."""
+        from lantau.kernels.embedding import embedding_ref
+
+        return embedding_ref(input_ids, weight, pick_src, prev_ids)
+
+    @staticmethod
     def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
@@ -135,6 +143,7 @@ class TritonOps(_Compositions):
     def __init__(self) -> None:
         from lantau.kernels import (
             activation,
+            embedding,
             gemv,
             kv_cache_write,
             paged_attention,
@@ -143,6 +152,7 @@ class TritonOps(_Compositions):
         )
 
         self._act, self._kv, self._gemv = activation, kv_cache_write, gemv
+        self._embedding = embedding
         self._attn, self._norm, self._rope = paged_attention, rms_norm, rotary
         self.use_gemv = True
         self.gemv_max_m = 1  # see lantau/kernels/gemv.py: faster than cuBLAS at 1 row only
@@ -201,6 +211,10 @@ class TritonOps(_Compositions):
         self.gemv_preload = True
         self.preload_max_k = 4096  # down_proj's K = 14336 (gemv allows it) is not yet measured
         self.preload_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+    def embed(self, input_ids, weight, pick_src=None, prev_ids=None) -> torch.Tensor:
+        """TorchOps.embed in one launch (the pick included)."""
+        return self._embedding.embedding(input_ids, weight, pick_src, prev_ids)
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         if self.use_gemv and x.shape[0] <= self.gemv_max_m:

@@ -4,14 +4,14 @@ A decode step launches hundreds of small kernels; replaying them as one graph re
 per-launch CPU cost, which dominates at small batch. Graphs read their inputs from persistent
 buffers that each step overwrites; padding rows write no KV (slot -1) and are discarded.
 
-A step's inputs reach the device in two copies: one int64 buffer (input ids, positions, slots,
-and for each row whose input token the previous step sampled on the device, that token's row
-in the runner's `prev_token_ids`, else -1) and one int32 buffer (sequence lengths, then block
-tables), staged in pinned host memory, padding rows included. The graph itself picks each
-row's input token from `prev_token_ids` or the host's ids. With `greedy_in_graph` (on, see
-there) it ends with the greedy pick of each row, written to `prev_token_ids` too: for an
-all-greedy batch the sampler takes it, so only the copy of the ids to the host runs between
-replays.
+A step's inputs reach the device in one copy of one buffer, staged in pinned host memory,
+padding rows included: int64 input ids, positions, slots, and for each row whose input token
+the previous step sampled on the device, that token's row in the runner's `prev_token_ids`,
+else -1; then int32 sequence lengths and block tables. The graph's first kernel picks each
+row's input token from `prev_token_ids` or the host's ids as it embeds it. With
+`greedy_in_graph` (on, see there) the graph ends with the greedy pick of each row, written into
+`prev_token_ids`: for an all-greedy batch the sampler takes it, so between replays run only the
+copy of the ids to the host and the copy of the next step's inputs.
 """
 
 from __future__ import annotations
@@ -59,24 +59,26 @@ class CudaGraphRunner:
         n = self.max_bs
 
         self.max_blocks = max_blocks
-        # input ids, positions, slots, pending source row (-1: the host's id)
-        self.ids64 = torch.zeros((4, n), dtype=torch.int64, device=device)
+        # the inputs, one buffer (one copy a step): input ids, positions, slots, pending source
+        # row (-1: the host's id) as int64 [4, n]; then int32 sequence lengths [n], then the
+        # block table rows [n, max_blocks]
+        self._bytes64 = 8 * 4 * n
+        self.buffer = torch.zeros(
+            self._bytes64 + 4 * n * (1 + max_blocks), dtype=torch.uint8, device=device
+        )
+        self.ids64, self.ids32 = self._views(self.buffer)
         self.ids64[3].fill_(-1)
-        # sequence lengths, then the block table rows
-        self.ids32 = torch.zeros(n * (1 + max_blocks), dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.pending_src = self.ids64.unbind(0)
         self.seq_lens = self.ids32[:n]
         self.block_tables = self.ids32[n:].view(n, max_blocks)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.prev_token_ids = prev_token_ids
-        # two pinned host copies of the buffers, used in turn: a step's staging never
+        # two pinned host copies of the buffer, used in turn: a step's staging never
         # overwrites one whose copy the device has not done yet (its event)
         pin = device.type == "cuda"
         self._host = [
-            (torch.zeros((4, n), dtype=torch.int64, pin_memory=pin),
-             torch.zeros(n * (1 + max_blocks), dtype=torch.int32, pin_memory=pin))
-            for _ in range(2)
-        ]  # fmt: skip
+            torch.zeros(self.buffer.shape, dtype=torch.uint8, pin_memory=pin) for _ in range(2)
+        ]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         # bucket -> (graph, its logits [bs, vocab], its greedy ids [bs] or None)
@@ -88,6 +90,14 @@ class CudaGraphRunner:
         self.greedy_in_graph = True
         # that pick through the one-launch argmax kernel (as the sampler's `argmax_kernel`)
         self.argmax_kernel = True
+        # each row's input token picked inside the embedding kernel (one launch), not by torch
+        # ops before it (five launches, ~10 us at batch 1)
+        self.fused_pick = True
+
+    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int64 [4, n] and int32 views of an input buffer."""
+        ids64 = buffer[: self._bytes64].view(torch.int64).view(4, self.max_bs)
+        return ids64, buffer[self._bytes64 :].view(torch.int32)
 
     def can_run(self, inputs) -> bool:
         return inputs.max_query_len == 1 and inputs.num_reqs <= self.max_bs
@@ -105,10 +115,13 @@ class CudaGraphRunner:
         )
         ctx = ForwardContext(meta, self.kv_caches, self.positions[:bs])
         src = self.pending_src[:bs]
-        input_ids = torch.where(
-            src >= 0, self.prev_token_ids[src.clamp(min=0)], self.input_ids[:bs]
-        )
-        hidden = self.model(input_ids, ctx)
+        if self.fused_pick:
+            hidden = self.model(self.input_ids[:bs], ctx, (src, self.prev_token_ids))
+        else:
+            input_ids = torch.where(
+                src >= 0, self.prev_token_ids[src.clamp(min=0)], self.input_ids[:bs]
+            )
+            hidden = self.model(input_ids, ctx)
         return self.model.compute_logits(hidden)  # [bs, vocab_size]
 
     def _step(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -117,20 +130,20 @@ class CudaGraphRunner:
         logits = self._forward(bs)
         if not self.greedy_in_graph:
             return logits, None
-        token_ids = greedy_pick(logits, self.argmax_kernel)  # [bs]
-        self.prev_token_ids[:bs].copy_(token_ids)
+        # [bs], a view of prev_token_ids (the kernel writes it there: no copy node)
+        token_ids = greedy_pick(logits, self.argmax_kernel, out=self.prev_token_ids[:bs])
         return logits, token_ids
 
     def bucket(self, num_reqs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_reqs)]
 
     def stage(self, inputs, bs: int) -> None:
-        """Write a decode step's inputs, padded to `bs` rows, into the graphs' buffers: two
-        copies from pinned memory, queued on the stream without waiting."""
+        """Write a decode step's inputs, padded to `bs` rows, into the graphs' buffer: one
+        copy from pinned memory, queued on the stream without waiting."""
         turn, self._turn = self._turn, 1 - self._turn
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()  # two steps back: long done
-        host64, host32 = self._host[turn]
+        host64, host32 = self._views(self._host[turn])
         ids, n, n_max = host64.numpy(), inputs.num_reqs, self.max_bs
         ids[0, :n], ids[1, :n], ids[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
         ids[0:2, n:bs] = 0
@@ -144,10 +157,9 @@ class CudaGraphRunner:
         width = inputs.block_tables.shape[1]
         tables[:n, :width] = inputs.block_tables  # columns past width: never read
         tables[n:bs, 0] = 0
-        self.ids64.copy_(host64, non_blocking=True)
-        end = n_max + bs * self.max_blocks
-        self.ids32[:end].copy_(host32[:end], non_blocking=True)
-        if self.ids64.device.type == "cuda":
+        end = self._bytes64 + 4 * (n_max + bs * self.max_blocks)  # block rows past bs: unread
+        self.buffer[:end].copy_(self._host[turn][:end], non_blocking=True)
+        if self.buffer.device.type == "cuda":
             self._copied[turn] = torch.cuda.Event()
             self._copied[turn].record()
 

@@ -259,14 +259,18 @@ class PendingSample:
         )
 
 
-def greedy_pick(logits: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """Each row's argmax, [num_rows] int64: on CUDA with `kernel`, the one-launch Triton kernel
-    (lantau/kernels/argmax.py), else argmax_rows."""
+def greedy_pick(
+    logits: torch.Tensor, kernel: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each row's argmax, [num_rows] int64 (written into `out` if given, and returned): on
+    CUDA with `kernel`, the one-launch Triton kernel (lantau/kernels/argmax.py), else
+    argmax_rows."""
     if kernel and logits.device.type == "cuda":
         from lantau.kernels.argmax import argmax
 
-        return argmax(logits)
-    return argmax_rows(logits)
+        return argmax(logits, out)
+    ids = argmax_rows(logits)
+    return ids if out is None else out.copy_(ids)
 
 
 class Sampler:
