@@ -245,8 +245,9 @@ def test_paged_decode_attention_short_splits(monkeypatch):
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (8, 1), (4, 4)])
 def test_in_launch_merge_folds_chunks_of_splits(monkeypatch, num_heads, num_kv_heads):
     """16-key tiles over 8 splits: the merge loading all partials at once (the default), in
-    chunks of 2 or 4 folded online, or one by one agree with the reference and each other (fp32
-    sums in other orders); a request filling 3 of 8 splits leaves chunks part-masked."""
+    chunks of 2 or 4 folded online, one by one, or unrolled (0: a load per split) agree with the
+    reference and each other (fp32 sums in other orders); a request filling 3 of 8 splits
+    leaves chunks part-masked."""
     monkeypatch.setattr(pa, "_DECODE_BLOCK_N", 16)
     b = make_batch([(128, 1), (45, 1), (3, 1)], num_heads, num_kv_heads, 32, torch.float32, seed=6)
     ref = pa.paged_decode_attention_ref(
@@ -254,7 +255,7 @@ def test_in_launch_merge_folds_chunks_of_splits(monkeypatch, num_heads, num_kv_h
     )
     group = num_heads // num_kv_heads
     assert pa.default_merge_chunk(8, group, 32) == 8  # all 8 at once
-    outs = {c: run_decode(b, 8, merge_chunk=c) for c in (None, 1, 2, 4)}
+    outs = {c: run_decode(b, 8, merge_chunk=c) for c in (None, 0, 1, 2, 4)}
     for out in outs.values():
         assert_matches(out, ref, torch.float32)
         torch.testing.assert_close(out, outs[None], rtol=1e-5, atol=1e-6)

@@ -282,7 +282,8 @@ def _paged_decode_split_kernel(
     USE_SCRATCH: tl.constexpr,  # False when num_splits == 1: normalise straight into out
     MERGE: tl.constexpr,  # USE_SCRATCH: the last split of a (request, kv head) merges them
     GROUP_P: tl.constexpr,  # GROUP padded to a power of 2 (the merge's rows)
-    MERGE_CHUNK: tl.constexpr,  # splits the merge loads at once
+    MERGE_CHUNK: tl.constexpr,  # splits the merge loads at once (0: unrolled, MERGE_SPLITS)
+    MERGE_SPLITS: tl.constexpr,  # num_splits, for the unrolled merge (else 1)
     HEADS_FIRST: tl.constexpr,  # grid (kv heads, requests, splits) instead of (requests, ...)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not TF32
     USE_PDL: tl.constexpr,
@@ -345,6 +346,15 @@ def _paged_decode_split_kernel(
         )
         old = k_pos < seq_len - 1  # [BLOCK_N]: keys of earlier steps, within the split
         k, v = _load_kv(k_base, v_base, slot, offs_d, old & k_valid)
+        # the step's own key: its slot now (a step input), its key and value after the wait,
+        # as [HEAD_DIM] rows (not a second masked tile: half the registers)
+        holds_new = (key_start <= seq_len - 1) & (seq_len - 1 < key_end)
+        if not ROPE:
+            new_block = tl.load(table + (seq_len - 1) // BLOCK_SIZE, mask=holds_new, other=0)
+            new_off = (
+                new_block.to(tl.int64) * stride_kv_block
+                + ((seq_len - 1) % BLOCK_SIZE) * stride_kv_slot
+            )
         if ROPE:  # the position's angles and the slot: step inputs (pdl.py's contract)
             half_d = offs_d % (HEAD_DIM // 2)
             angles = cos_sin_ptr + tl.load(pos_ptr + req) * HEAD_DIM
@@ -358,7 +368,6 @@ def _paged_decode_split_kernel(
             # the step's key and value from the projection, the key rotated and both rounded
             # to the cache's dtype (as the rotary kernel stores them); stored by the one split
             # that holds key seq_len - 1 before any tile of it is read back
-            holds_new = (key_start <= seq_len - 1) & (seq_len - 1 < key_end)
             kv_ty = kv_ptr.dtype.element_ty
             k_row = k_ptr + req.to(tl.int64) * stride_k_req + kv_head * stride_k_head
             v_row = v_ptr + req.to(tl.int64) * stride_v_req + kv_head * stride_v_head
@@ -373,9 +382,11 @@ def _paged_decode_split_kernel(
             k = tl.where(new[None, :], k_new[:, None], k)
             v = tl.where(new[:, None], v_new[None, :], v)
         else:
-            k_new, v_new = _load_kv(k_base, v_base, slot, offs_d, new)
-            k = tl.where(new[None, :], k_new, k)
-            v = tl.where(new[:, None], v_new, v)
+            row_mask = holds_new & (offs_d >= 0)
+            k_new = tl.load(k_base + new_off + offs_d, mask=row_mask, other=0.0)  # [HEAD_DIM]
+            v_new = tl.load(v_base + new_off + offs_d, mask=row_mask, other=0.0)
+            k = tl.where(new[None, :], k_new[:, None], k)
+            v = tl.where(new[:, None], v_new[None, :], v)
     if ROPE:  # q rotated in fp32, rounded to its dtype (as the rotary kernel stores it)
         q = _rotate_row(
             q_ptr + q_offs, offs_d[None, :], head_mask[:, None], cos[None, :], sin[None, :],
@@ -417,10 +428,17 @@ def _paged_decode_split_kernel(
             num_filled = tl.cdiv(seq_len, split_len)
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_filled - 1:
                 tl.atomic_xchg(counter, 0)
-                merged = _merge_splits(
-                    part_out_ptr, part_lse_ptr, req * num_heads + kv_head * GROUP, num_splits,
-                    num_filled, GROUP, GROUP_P, HEAD_DIM, MERGE_CHUNK,
-                )  # fmt: skip
+                first_row = req * num_heads + kv_head * GROUP
+                if MERGE_CHUNK == 0:
+                    merged = _merge_splits_unrolled(
+                        part_out_ptr, part_lse_ptr, first_row, num_splits, num_filled, GROUP,
+                        GROUP_P, HEAD_DIM, MERGE_SPLITS,
+                    )  # fmt: skip
+                else:
+                    merged = _merge_splits(
+                        part_out_ptr, part_lse_ptr, first_row, num_splits, num_filled, GROUP,
+                        GROUP_P, HEAD_DIM, MERGE_CHUNK,
+                    )  # fmt: skip
                 offs_g = tl.arange(0, GROUP_P)
                 g_offs = (
                     req.to(tl.int64) * stride_out_req
@@ -466,6 +484,43 @@ def _merge_splits(
         acc = acc * alpha[:, None] + tl.sum(part * weight[:, :, None], 0)
         total = total * alpha + tl.sum(weight, 0)
         m = m_new
+    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
+
+
+@triton.jit
+def _merge_splits_unrolled(
+    part_out_ptr, part_lse_ptr, first_row, num_splits, num_filled,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """_merge_splits with one load per split (SPLITS = num_splits, unrolled): every load's
+    address is known up front, so all of them are in flight at once, and each thread folds its
+    own elements of every split (no cross-thread sum, no [splits, heads, dims] tile)."""
+    offs_g = tl.arange(0, GROUP_P)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    rows = (first_row + offs_g).to(tl.int64) * num_splits  # [GROUP_P]: split 0's rows
+    m = tl.full([GROUP_P], float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        lse = tl.load(
+            part_lse_ptr + rows + s, mask=g_mask & (s < num_filled), other=float("-inf"),
+            cache_modifier=".cg",
+        )  # fmt: skip
+        m = tl.maximum(m, lse)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a padding head: no split
+    total = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
+    for s in tl.static_range(SPLITS):
+        filled = g_mask & (s < num_filled)
+        lse = tl.load(
+            part_lse_ptr + rows + s, mask=filled, other=float("-inf"), cache_modifier=".cg"
+        )
+        part = tl.load(
+            part_out_ptr + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=filled[:, None],
+            other=0.0, cache_modifier=".cg",
+        )  # fmt: skip
+        weight = tl.exp2(lse - m)  # [GROUP_P], 0 where not filled
+        acc += part * weight[:, None]
+        total += weight
     return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
@@ -757,7 +812,8 @@ def paged_decode_attention(
     began with a host-to-device copy (which waits for all earlier kernels), as the runner's
     steps do: then the older slots, seq_lens and block_tables are final before the launch.
     merge_chunk: splits of partials the in-launch merge loads at once (default_merge_chunk; 1
-    folds them one by one, a round trip to L2 each, for comparisons).
+    folds them one by one, a round trip to L2 each, for comparisons; 0: one load per split,
+    unrolled, each thread folding its own elements).
     rope (with early_kv): q is the projection's, not yet rotated; the kernel does what
     lantau.kernels.rotary.apply_rotary_and_write_kv would have done before it (q and the
     step's key rotated, key and value stored to each request's slot) and attends with them: one
@@ -773,7 +829,7 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = default_num_splits(num_reqs, num_kv_heads, max_seq_len, q.device)
     assert isinstance(num_splits, int) and num_splits >= 1, f"num_splits {num_splits}"
-    assert merge_chunk is None or _is_power_of_2(merge_chunk), f"merge_chunk {merge_chunk}"
+    assert merge_chunk in (None, 0) or _is_power_of_2(merge_chunk), f"merge_chunk {merge_chunk}"
     rope_args = {}
     if rope is not None:
         assert early_kv, "rope: only with early_kv (the key is read from the projection)"
@@ -828,7 +884,10 @@ def paged_decode_attention(
         USE_SCRATCH=use_scratch,
         MERGE=merge,
         GROUP_P=triton.next_power_of_2(group),
-        MERGE_CHUNK=merge_chunk or default_merge_chunk(num_splits, group, head_dim),
+        MERGE_CHUNK=(
+            default_merge_chunk(num_splits, group, head_dim) if merge_chunk is None else merge_chunk
+        ),
+        MERGE_SPLITS=num_splits if merge_chunk == 0 else 1,
         HEADS_FIRST=heads_first,
         DOT_PRECISION=_dot_precision(q.dtype),
         **pdl.launch_options(q.device),
