@@ -272,6 +272,9 @@ def e2e_parity() -> None:
             runner.model.ops.attn_early_kv_rows = 0
         if backend.endswith("-new"):  # decode attention's first KV tiles before the PDL wait
             runner.model.ops.attn_early_kv_rows = 8
+            # and the ops knobs under test, e.g. PARITY_KNOBS='{"fuse_decode": true}'
+            for key, value in json.loads(os.environ.get("PARITY_KNOBS", "{}")).items():
+                setattr(runner.model.ops, key, tuple(value) if isinstance(value, list) else value)
         if backend.endswith(("-preload", "-new")) and not eager:
             runner.capture_cuda_graphs()
 

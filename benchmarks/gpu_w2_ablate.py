@@ -11,9 +11,10 @@ rotary + KV write, attention; the GEMVs alone (no norms, rotary, attention) and 
 (no GEMVs). Each GEMV row also gives the weight bytes over the time it adds, in TB/s, and the
 GEMVs-alone row against the step's weight bytes over the same run's copy bandwidth.
 
-With --attn-sweep, then: the same graph with decode attention's knobs changed one set at a
+With --attn-sweep, first: the same graph with decode attention's knobs changed one set at a
 time (tiles, splits, the merge, early KV loads), each set's GPU time, and W2 itself with the
-fastest set against the engine's default, alternated twice, greedy tokens checked.
+fastest set against the engine's default, alternated twice, greedy tokens checked; the
+ablation then runs with the fastest set.
 
     PYTHONPATH=. python3 benchmarks/gpu_w2_ablate.py [--attn-sweep]
 """
@@ -27,7 +28,7 @@ import os
 import torch
 
 from lantau import LLM, SamplingParams
-from lantau.bench.offline import batch1_graph, measure_ceilings, replay_ms, run_lantau
+from lantau.bench.offline import batch1_graph, graph_ms, measure_ceilings, replay_ms, run_lantau
 from lantau.bench.workloads import make_workload
 
 OUT = os.environ.get("OUT", ".")
@@ -82,28 +83,55 @@ class Ablation:
             self.ops.__dict__.pop(name, None)
 
 
-ATTN_SETS = [  # runs/2026-12-03o-attn_sweep.log swept tiles, splits and merges one at a time
+ATTN_SETS = [  # runs/2026-12-03o-t: tiles, splits, merges, early exit, fused norms, rope
     {},
-    {"attn_early_merge_kernel": True},
-    {"attn_num_splits": 8},
-    {"attn_num_splits": 8, "attn_early_merge_kernel": True},
-    {"attn_early_config": (32, 4, 2)},
-    {"attn_early_config": (32, 4, 2), "attn_early_merge_kernel": True},
-    {"attn_early_config": (16, 4, 1), "attn_early_merge_kernel": True},
-    {"attn_early_merge_kernel": True},
+    {"fuse_rope_attention": False},
+    {"attn_early_config": (64, 8, 1)},
+    {"fuse_rope_attention": False},
+    {"attn_early_config": (64, 8, 1)},
+    {},
+]
+# W2 itself, each arm twice, alternated (the graph's fastest set is added if not among them)
+W2_ARMS = [{}, {"fuse_rope_attention": False}, {"attn_early_config": (64, 8, 1)}]
+# batch-1 decode attention alone at these context lengths, default vs each config
+LONG_KEYS = (384, 2048, 8192, 32768)
+LONG_CONFIGS = [
+    {"merge_chunk": 0, "config": (64, 8, 2)},
+    {"merge_chunk": 0, "config": (64, 8, 1)},
     {},
 ]
 
 
-def attention_sweep(llm, results: dict) -> list[str]:
+def apply_knobs(core, knobs: dict) -> None:
+    """Set the knobs (the model's ops', or the decode graphs' with a "graphs." prefix) and
+    capture the decode graphs again."""
+    graph_knobs = {}
+    for key, value in knobs.items():
+        if key.startswith("graphs."):
+            graph_knobs[key.removeprefix("graphs.")] = value
+        else:
+            setattr(core.runner.model.ops, key, value)
+    core.runner.capture_cuda_graphs()
+    if graph_knobs:
+        for key, value in graph_knobs.items():
+            setattr(core.runner.graphs, key, value)
+        core.runner.graphs.capture()
+
+
+def knob_default(core, key: str):
+    if key.startswith("graphs."):
+        return getattr(core.runner.graphs, key.removeprefix("graphs."))
+    return getattr(core.runner.model.ops, key)
+
+
+def attention_sweep(llm, results: dict) -> tuple[list[str], dict]:
+    """The sweep's table rows, and the fastest set of knobs (left set on the ops)."""
     core = llm.engine.core
-    ops, block_size = core.runner.model.ops, llm.config.cache.block_size
-    defaults = {key: getattr(ops, key) for s in ATTN_SETS for key in s}
+    block_size = llm.config.cache.block_size
+    defaults = {key: knob_default(core, key) for s in ATTN_SETS for key in s}
     table, timed = [], []
     for knobs in ATTN_SETS:
-        for key, value in {**defaults, **knobs}.items():
-            setattr(ops, key, value)
-        core.runner.capture_cuda_graphs()
+        apply_knobs(core, {**defaults, **knobs})
         graph = batch1_graph(core.runner.graphs, 384, block_size)
         ms = min(replay_ms(graph, 50) for _ in range(3))
         label = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "default"
@@ -115,10 +143,10 @@ def attention_sweep(llm, results: dict) -> list[str]:
     w2 = make_workload("W2", 128256)
     check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
     reference = None
-    for knobs in (defaults, best, defaults, best):
-        for key, value in {**defaults, **knobs}.items():
-            setattr(ops, key, value)
-        core.runner.capture_cuda_graphs()
+    arms = W2_ARMS + ([] if best in W2_ARMS else [best])
+    defaults.update({key: knob_default(core, key) for arm in arms for key in arm})
+    for knobs in arms * 2:
+        apply_knobs(core, {**defaults, **knobs})
         llm.reset_prefix_cache()
         tokens = llm.generate({"prompt_token_ids": w2.prompts[0]}, check)[0].outputs[0].token_ids
         reference = reference or tokens
@@ -133,12 +161,50 @@ def attention_sweep(llm, results: dict) -> list[str]:
             f"GPU util {stats['gpu_util_pct']}%; {same}/32 greedy tokens as the default's |"
         )
         print(table[-1], flush=True)
+    apply_knobs(core, {**defaults, **best})
+    return table, best
+
+
+def long_contexts(results: dict) -> list[str]:
+    """Batch-1 decode attention (early KV loads, 16 splits, llama3-8b's heads) at each of
+    LONG_KEYS keys, each LONG_CONFIGS entry: us a launch, 32 launches captured in one graph."""
+    from lantau.kernels.paged_attention import paged_decode_attention
+
+    dev, block_size = torch.device("cuda"), 16
+    max_keys = max(LONG_KEYS)
+    kv = torch.randn(
+        2, max_keys // block_size, block_size, 8, 128, device=dev, dtype=torch.bfloat16
+    )
+    q = torch.randn(1, 32, 128, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    tables = torch.arange(max_keys // block_size, dtype=torch.int32, device=dev)[None]
+    table = []
+    for keys in LONG_KEYS:
+        lens = torch.tensor([keys], dtype=torch.int32, device=dev)
+        row = []
+        for kwargs in LONG_CONFIGS:
+
+            def launches(kwargs=kwargs, lens=lens):
+                for _ in range(32):
+                    paged_decode_attention(
+                        q, kv, out, lens, tables, 4096, 128**-0.5, num_splits=16, early_kv=True,
+                        **kwargs,
+                    )  # fmt: skip
+
+            us = graph_ms(launches) / 32 * 1e3
+            row.append(f"{us:.2f}")
+            results.setdefault("long", []).append({"keys": keys, **kwargs, "us": us})
+        table.append(
+            f"| decode attention bs1, {keys} keys | {' / '.join(row)} us | {LONG_CONFIGS} |"
+        )
+        print(table[-1], flush=True)
     return table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--attn-sweep", action="store_true")
+    parser.add_argument("--long", action="store_true", help="attention alone at long contexts")
     args = parser.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     llm = LLM("random:llama3-8b", max_model_len=4096, max_num_seqs=1, max_num_batched_tokens=4096)
@@ -161,16 +227,20 @@ def main() -> None:
     def time_without(skip: set[str]) -> float:
         ablation.apply(skip)
         try:
-            core.runner.capture_cuda_graphs()
+            apply_knobs(core, results.get("ablation_knobs") or {})
             graph = batch1_graph(core.runner.graphs, 384, block_size)
             return min(replay_ms(graph, 50) for _ in range(3))
         finally:
             ablation.restore()
 
+    table = long_contexts(results) if args.long else []
+    if args.attn_sweep:  # first, so that the ablation below runs with the fastest knobs
+        table, best = attention_sweep(llm, results)
+        results["ablation_knobs"] = best  # left set by the sweep
+        table.append(f"| ablation below with {best or 'the defaults'} | | |")
     rows = [("full", set())]
     rows += [(f"without {name}", {name}) for name in GEMVS + SMALL]
     rows += [("GEMVs alone", set(SMALL)), ("without GEMVs", set(GEMVS)), ("full again", set())]
-    table = []
     full = None
     for label, skip in rows:
         ms = time_without(skip)
@@ -189,8 +259,6 @@ def main() -> None:
             note += f"; weight-read floor {floor:.3f} ms at the copy's {ceilings['copy_tb_s']} TB/s"
         table.append(f"| {label} | {ms:.3f} ms | {note} |")
         print(table[-1], flush=True)
-    if args.attn_sweep:
-        table += attention_sweep(llm, results)
     with open(os.path.join(OUT, "gpu_w2_ablate.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     print("\n| W2 decode graph, batch 1, 384 keys | GPU time a replay | what it says |")

@@ -138,7 +138,7 @@ def test_gemv_gated_matches_reference(dtype, n, k):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(40, 96), (17, 1000), (64, 4096), (6, 14336)])
-@pytest.mark.parametrize("fusion", ["", "norm", "residual", "gated"])
+@pytest.mark.parametrize("fusion", ["", "norm", "residual", "gated", "norm+gated"])
 def test_gemv_preload_matches_the_loop(dtype, n, k, fusion):
     """Batch 1 with each program's whole weight slice loaded at once (before the PDL wait):
     the fp32 reference, and the K-loop kernel's result, with the fusions it combines with."""
@@ -146,10 +146,10 @@ def test_gemv_preload_matches_the_loop(dtype, n, k, fusion):
     x = torch.randn(1, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     kwargs = {}
-    if fusion == "norm":
+    if "norm" in fusion:
         kwargs = dict(norm_weight=(torch.rand(k, generator=gen) + 0.5).to(dtype), eps=1e-5)
-    elif fusion == "gated":
-        kwargs = dict(gated=True)
+    if "gated" in fusion:
+        kwargs["gated"] = True
         w = w[: n - n % 2]  # [gate; up]
     residual = torch.randn(1, n, generator=gen).to(dtype) if fusion == "residual" else None
     ref = gemv_ref(x, w, residual=residual, **kwargs)

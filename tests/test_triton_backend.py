@@ -48,9 +48,9 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
     tiny_llama_dir, monkeypatch, fuse_decode, fuse_gate_silu, preload, rope
 ):
     """Batch-1 steps run every projection through the GEMV kernel (with fuse_decode, the
-    norms, SiLU-and-mul and residual adds folded into it, and with rope the rotary and KV-cache
-    write into qkv_proj's epilogue and decode attention's first KV tiles loaded apart; with
-    fuse_gate_silu, the SiLU-and-mul into gate_up's
+    norms and residual adds folded into it and the SiLU-and-mul into gate_up's epilogue, and
+    with rope the rotary and KV-cache write into qkv_proj's epilogue and decode attention's
+    first KV tiles loaded apart; with fuse_gate_silu, the SiLU-and-mul into gate_up's
     epilogue; with preload, each program's weights loaded at once), with the torch backend's
     tokens and logits."""
     from lantau.kernels import gemv
@@ -74,14 +74,14 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
     if fuse_decode and rope and preload:
         assert fusions == {
             ("eps", "norm_weight", "preload", "rope"),  # qkv_proj
-            ("eps", "norm_weight", "preload"),  # gate_up_proj, lm_head
-            ("preload", "residual"),  # o_proj
-            ("preload", "residual", "silu"),  # down_proj
+            ("eps", "gated", "norm_weight", "preload"),  # gate_up_proj
+            ("eps", "norm_weight", "preload"),  # lm_head
+            ("preload", "residual"),  # o_proj, down_proj
         }
     elif rope and preload:  # rotary and KV write in qkv_proj's epilogue, the norms apart
         assert fusions == {("preload", "rope"), ("preload",)}
-    elif fuse_decode:
-        assert fusions == {("eps", "norm_weight"), ("residual",), ("residual", "silu")}
+    elif fuse_decode:  # qkv_proj and lm_head, gate_up_proj, o_proj and down_proj
+        assert fusions == {("eps", "norm_weight"), ("eps", "gated", "norm_weight"), ("residual",)}
     elif fuse_gate_silu:
         assert fusions == {(), ("gated",)}
     elif preload:  # every K of the tiny model is within ops.preload_max_k

@@ -109,12 +109,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward_fused(self, h: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
         """The same layer on the whole residual stream h, each norm folded into the projection
-        after it and each residual add into the one before it (`ops.fuses`): returns the new h."""
+        after it, each residual add into the one before it, and the SiLU-and-mul into gate_up's
+        (`ops.fuses`): returns the new h."""
         attn, mlp = self.self_attn, self.mlp
         out = attn.attend(h, ctx, ops, norm=self.input_layernorm)
         h = ops.linear_add(out, attn.o_proj, h)
-        gate_up = ops.norm_linear(h, self.post_attention_layernorm, mlp.gate_up_proj)
-        return ops.silu_mul_linear_add(gate_up, mlp.down_proj, h)
+        act = ops.norm_linear_silu_mul(h, self.post_attention_layernorm, mlp.gate_up_proj)
+        return ops.linear_add(act, mlp.down_proj, h)
 
 
 class LlamaModel(nn.Module):

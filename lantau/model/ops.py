@@ -36,7 +36,7 @@ class _Compositions:
 
     def fuses(self, num_rows: int) -> bool:
         """Whether the model should take the fused single-row path (norm_linear, linear_add,
-        silu_mul_linear_add in place of the add + norm pairs)."""
+        norm_linear_silu_mul in place of the add + norm pairs)."""
         return False
 
     def norm_linear(self, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
@@ -47,12 +47,13 @@ class _Compositions:
         """residual + layer(x): the new residual stream (in place on it when fused)."""
         return self.linear(x, layer) + residual
 
-    def silu_mul_linear_add(self, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
-        return self.linear_add(self.silu_and_mul(x), layer, residual)
-
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         """silu_and_mul(layer(x)) for layer = gate_up_proj: [num_tokens, intermediate]."""
         return self.silu_and_mul(self.linear(x, layer))
+
+    def norm_linear_silu_mul(self, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
+        """linear_silu_mul(rms_norm(h)), with norm an RMSNorm module."""
+        return self.linear_silu_mul(self.rms_norm(h, norm.weight, norm.eps), layer)
 
     def qkv_rotary_write_kv(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
@@ -162,10 +163,11 @@ class TritonOps(_Compositions):
         # 4.085, graph 3.986 vs 3.990; with early KV loads 4.006 vs 4.002, same run,
         # runs/2026-12-03h-gemv_ab.log)
         self.fuse_qkv_rope = False
-        # batch 1: the norms, SiLU-and-mul and residual adds folded into the GEMVs (`fuses`).
-        # NOTE: off: slower on the H200 (W2 decode graph 4.419 vs 4.229 ms, same run,
-        # runs/2026-12-03-gpu_gemv-w2-fusions.log): each of a GEMV's many programs re-reads
-        # the whole input vector from L2, and the folded norm doubles that traffic
+        # batch 1: the norms and residual adds folded into the GEMVs, the SiLU-and-mul into
+        # gate_up's (`fuses`). NOTE: off: slower on the H200, W2 3.925 / 3.936 vs 3.839 / 3.839
+        # ms/token, graph 3.900 vs 3.822 ms, same run (runs/2026-12-03s-fused_norms.log): the
+        # norm's sum of squares and the residual's load-add-store lengthen every GEMV program
+        # after its wait by more than the norm launch they save
         self.fuse_decode = False
         # batch 1: the SiLU-and-mul in the gate_up GEMV's epilogue (one launch, no gate_up write;
         # each program preloads its gate rows and their up rows). W2 3.969 vs 4.010 ms/token,
@@ -188,20 +190,29 @@ class TritonOps(_Compositions):
         # wait (pdl.py's contract): no measurable effect on the H200 (W2 3.913 vs 3.907 off,
         # same run, runs/2026-12-03m-gemv_ab.log); one dependent load fewer after the wait
         self.early_inputs = True
-        # decode attention's in-launch merge: splits of partials loaded at once (None: all, up
-        # to paged_attention.default_merge_chunk; 1: one by one, as before)
+        # decode attention's in-launch merge for batches above attn_early_kv_rows: splits of
+        # partials loaded at once (None: all, up to paged_attention.default_merge_chunk; 1: one
+        # by one; 0: unrolled, one load a split)
         self.attn_merge_chunk: int | None = None
-        # (BLOCK_N, num_warps, num_stages) of decode attention with early KV loads (None: the
-        # kernel's default, 64 keys over 4 warps, where ptxas spills 1.5 KB a thread)
-        self.attn_early_config: tuple[int, int, int] | None = None
+        # the same for early-KV batches, and their (BLOCK_N, num_warps, num_stages) (None: the
+        # kernel's 64 keys over 4 warps, where ptxas spills): the unrolled merge over 64-key
+        # tiles and 8 warps (no spills). W2 3.839 / 3.839 vs 3.887 / 3.884 ms/token (chunks of
+        # 16 over 64 x 4), same run (runs/2026-12-03s-fused_norms.log; 3.840 vs 3.886 in
+        # runs/2026-12-03r); batch-1 attention alone 5.67 vs 7.39 us at 384 keys, 7.69 vs 10.32
+        # at 2,048, 19.2 vs 21.2 at 8,192, 70.3 vs 70.1 at 32,768. Either alone gains less
+        # (graph at 384 keys 3.885 and 3.903 vs 3.824 together, 3.915 neither)
+        self.attn_early_merge_chunk: int | None = 0
+        self.attn_early_config: tuple[int, int, int] | None = (64, 8, 2)
         # decode attention's splits of each context (None: paged_attention.default_num_splits)
         self.attn_num_splits: int | None = None
         # early-KV batches: decode attention's splits merged by a second launch, not in-launch
         self.attn_early_merge_kernel = False
         # decode batches of at most attn_early_kv_rows: rotary and the KV write inside decode
-        # attention (paged_decode_attention's `rope`). NOTE: off: slower on the H200 (W2 3.959
-        # vs 3.905 ms/token, graph 3.935 vs 3.879 ms, same run, runs/2026-12-03n-gemv_ab.log)
-        self.fuse_rope_attention = False
+        # attention (paged_decode_attention's `rope`), one launch a layer fewer. With the
+        # unrolled 64 x 8 attention: W2 3.783 / 3.783 vs 3.790 / 3.790 ms/token, graph 3.765 vs
+        # 3.775 / 3.772 ms, same run (runs/2026-12-03t-rope_fusions.log); over the spilling
+        # 64 x 4 attention it was slower (3.959 vs 3.905, runs/2026-12-03n-gemv_ab.log)
+        self.fuse_rope_attention = True
         # (N, K) -> GEMV tile configuration to use instead of gemv.default_config (tuning)
         self.gemv_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         # batch 1, K <= preload_max_k: each GEMV program loads its whole weight slice
@@ -241,10 +252,10 @@ class TritonOps(_Compositions):
             return self._gemv_linear(x, layer, residual=residual)
         return super().linear_add(x, layer, residual)
 
-    def silu_mul_linear_add(self, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
-        if self.fuses(x.shape[0]):
-            return self._gemv_linear(x, layer, silu=True, residual=residual)
-        return super().silu_mul_linear_add(x, layer, residual)
+    def norm_linear_silu_mul(self, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
+        if self.fuses(h.shape[0]):
+            return self._gemv_linear(h, layer, norm_weight=norm.weight, eps=norm.eps, gated=True)
+        return super().norm_linear_silu_mul(h, norm, layer)
 
     def qkv_rotary_write_kv(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
@@ -321,7 +332,8 @@ class TritonOps(_Compositions):
         self._attn.paged_decode_attention(
             q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
             merge_kernel=second_merge, heads_first=self.attn_heads_first, early_kv=early_kv,
-            merge_chunk=self.attn_merge_chunk, num_splits=self.attn_num_splits,
+            merge_chunk=self.attn_early_merge_chunk if early_kv else self.attn_merge_chunk,
+            num_splits=self.attn_num_splits,
             config=self.attn_early_config if early_kv else None, rope=rope,
         )  # fmt: skip
         return out
