@@ -9,7 +9,9 @@ the step's critical path. The results are wrong numbers, on purpose; only the ti
 Rows: the full graph; without each of the GEMVs (qkv, o, gate_up, down, lm_head), the norms,
 rotary + KV write, attention; the GEMVs alone (no norms, rotary, attention) and the rest alone
 (no GEMVs). Each GEMV row also gives the weight bytes over the time it adds, in TB/s, and the
-GEMVs-alone row against the step's weight bytes over the same run's copy bandwidth.
+GEMVs-alone row against the step's weight bytes over the same run's copy bandwidth. With rotary
+inside decode attention (ops.fuse_rope_attention, the default), "without attention" takes the
+rotary out with it, and "without rotary" is attention without its rope.
 
 With --attn-sweep, first: the same graph with decode attention's knobs changed one set at a
 time (tiles, splits, the merge, early KV loads), each set's GPU time, and W2 itself with the
@@ -72,15 +74,19 @@ class Ablation:
         if "norms" in skip:
             ops.add_rms_norm = lambda x, residual, weight, eps: (x, residual)
             ops.rms_norm = lambda x, weight, eps: x
-        if "rotary" in skip:
+        self.rope_attention = ops.fuse_rope_attention
+        if "rotary" in skip:  # and out of attention, where fuse_rope_attention put it
             ops.rotary_and_write_kv = lambda q, k, v, *args: q
-        if "attention" in skip:
+            ops.fuse_rope_attention = False
+        if "attention" in skip:  # rotary inside it too, unless taken out above
             ops.attention = lambda q, kv_cache, meta, scale: q
+            ops._decode_attention = lambda q, kv_cache, meta, scale, rope=None: q
 
     def restore(self) -> None:
         names = ("_gemv_linear", "add_rms_norm", "rms_norm", "rotary_and_write_kv", "attention")
-        for name in names:
+        for name in (*names, "_decode_attention"):
             self.ops.__dict__.pop(name, None)
+        self.ops.fuse_rope_attention = self.rope_attention
 
 
 ATTN_SETS = [  # runs/2026-12-03o-t: tiles, splits, merges, early exit, fused norms, rope
