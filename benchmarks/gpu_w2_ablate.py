@@ -89,16 +89,15 @@ class Ablation:
         self.ops.fuse_rope_attention = self.rope_attention
 
 
-ATTN_SETS = [  # runs/2026-12-03o-t: tiles, splits, merges, early exit, fused norms, rope
+ATTN_SETS = [  # runs/2026-12-03o-u: tiles, splits, merges, early exit, fused norms, rope
     {},
-    {"fuse_rope_attention": False},
-    {"attn_early_config": (64, 8, 1)},
-    {"fuse_rope_attention": False},
-    {"attn_early_config": (64, 8, 1)},
+    {"attn_short_config": (64, 8, 1)},
+    {"attn_short_config": (64, 8, 1), "attn_short_keys": 512},
+    {"attn_short_config": (64, 8, 1)},
     {},
 ]
 # W2 itself, each arm twice, alternated (the graph's fastest set is added if not among them)
-W2_ARMS = [{}, {"fuse_rope_attention": False}, {"attn_early_config": (64, 8, 1)}]
+W2_ARMS = [{}, {"attn_short_config": (64, 8, 1)}]
 # batch-1 decode attention alone at these context lengths, default vs each config
 LONG_KEYS = (384, 2048, 8192, 32768)
 LONG_CONFIGS = [

@@ -6,25 +6,35 @@ greedy pick each row's argmax."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 
 from lantau import LLM, SamplingParams
 from lantau.runner.cuda_graph import CudaGraphRunner
 
 
-def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
+@pytest.mark.parametrize("short_keys", [0, 26])
+def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_keys):
+    """short_keys: decode attention's short-context config on (ops.attn_short_config), so that
+    batches whose contexts all fit in 26 keys run the short-context graphs (contexts here run
+    from 5 to 29 keys)."""
     llm = LLM(
         str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=128, max_num_seqs=8,
         attention_backend="triton",
     )  # fmt: skip
     runner = llm.engine.core.runner
+    ops = runner.model.ops
+    if short_keys:
+        ops.attn_short_config, ops.attn_short_keys = (8, 4, 1), short_keys
     graphs = CudaGraphRunner(
         runner.config, runner.model, runner.kv_caches, runner.device, runner.prev_token_ids
     )
     assert graphs.batch_sizes == [1, 2, 4, 8]
     graphs.greedy_in_graph = True  # the graph's greedy pick too (the default)
-    checked = []
+    checked, classes = [], set()
     eager_forward = runner._forward_logits
 
     def both(inputs):
@@ -35,7 +45,10 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
             bs = graphs.bucket(inputs.num_reqs)
             graphs.stage(inputs, bs)
             before = runner.prev_token_ids.clone()
-            replayed, greedy = graphs._step(bs)
+            # the graph run() would pick: the short-context one if every context fits
+            short = int(inputs.seq_lens.max()) <= ops.short_context_keys(bs)
+            replayed, greedy = graphs._step(bs, ops.short_context_keys(bs) if short else None)
+            classes.add(short)
             # the graph's greedy pick: each row's argmax, left in prev_token_ids for the next
             # step (restored here: the eager pass below reads this step's inputs from it)
             assert torch.equal(greedy, replayed.argmax(dim=-1))
@@ -58,3 +71,12 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
     # came from the device (overlapped scheduling), so the graph picked them itself
     assert {(3, 4), (2, 2), (1, 1)} <= {(n, bs) for n, bs, _ in checked}
     assert all(pending == n for n, _, pending in checked)
+    # without the short config every batch takes the long graphs; with it, both kinds ran
+    assert classes == ({False, True} if short_keys else {False})
+    if short_keys:  # run()'s choice of graph, on stand-ins (capture needs CUDA)
+        graphs.graphs[2], graphs.short_graphs[2] = ("long", None, None), ("short", None, None)
+        fits = SimpleNamespace(seq_lens=np.array([short_keys, 3], dtype=np.int32))
+        over = SimpleNamespace(seq_lens=np.array([short_keys + 1, 3], dtype=np.int32))
+        assert graphs.pick(fits, 2)[0] == "short" and graphs.pick(over, 2)[0] == "long"
+        graphs.graphs[16] = ("long", None, None)  # above attn_early_kv_rows: no short graph
+        assert graphs.pick(SimpleNamespace(seq_lens=np.array([3] * 16)), 16)[0] == "long"

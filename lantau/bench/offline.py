@@ -142,15 +142,17 @@ def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 50) -> float:
 
 
 def batch1_graph(graphs, keys: int, block_size: int) -> torch.cuda.CUDAGraph:
-    """The captured batch-1 decode graph (a CudaGraphRunner's), its row set to `keys` keys on
-    cache blocks 0, 1, ... and writing no KV: the graph to time alone."""
+    """The captured batch-1 decode graph (a CudaGraphRunner's) that serves `keys` keys (its
+    short-context one if they fit), its row set to them on cache blocks 0, 1, ... and writing no
+    KV: the graph to time alone."""
     num_blocks = -(-keys // block_size)
     graphs.seq_lens[:1].fill_(keys)
     graphs.block_tables[0, :num_blocks] = torch.arange(
         num_blocks, dtype=torch.int32, device=graphs.block_tables.device
     )
     graphs.slot_mapping[:1].fill_(-1)
-    return graphs.graphs[1][0]
+    short = keys <= graphs.model.ops.short_context_keys(1)
+    return (graphs.short_graphs if short else graphs.graphs)[1][0]
 
 
 def graph_ms(fn, iters: int = 20) -> float:

@@ -82,6 +82,10 @@ class TorchOps(_Compositions):
     name = "torch"
 
     @staticmethod
+    def short_context_keys(num_rows: int) -> int:
+        return 0  # one attention for every context length
+
+    @staticmethod
     def embed(input_ids, weight, pick_src=None, prev_ids=None) -> torch.Tensor:
         """weight[ids]: [num_tokens, hidden]; with pick_src, row i's id is prev_ids[pick_src[i]]
         where pick_src[i] >= 0 (a token the previous step sampled on the device)."""
@@ -203,6 +207,14 @@ class TritonOps(_Compositions):
         # (graph at 384 keys 3.885 and 3.903 vs 3.824 together, 3.915 neither)
         self.attn_early_merge_chunk: int | None = 0
         self.attn_early_config: tuple[int, int, int] | None = (64, 8, 2)
+        # early-KV batches whose contexts are all at most attn_short_keys long: this
+        # (BLOCK_N, num_warps, num_stages) instead, over attn_short_keys / BLOCK_N splits (one
+        # tile each, so no loop to pipeline); the decode graphs capture such batches apart
+        # (short_context_keys). NOTE: off until measured in the engine: as a fixed config, 64 x 8
+        # at 1 stage took W2 from 3.834 to 3.815 ms/token but batch-1 attention at 32k keys
+        # from 70.7 to 93.2 us (runs/2026-12-03u-final_w2.log)
+        self.attn_short_config: tuple[int, int, int] | None = None
+        self.attn_short_keys = 1024
         # decode attention's splits of each context (None: paged_attention.default_num_splits)
         self.attn_num_splits: int | None = None
         # early-KV batches: decode attention's splits merged by a second launch, not in-launch
@@ -329,14 +341,24 @@ class TritonOps(_Compositions):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         early_kv = q.shape[0] <= self.attn_early_kv_rows
         second_merge = not self.fuse_attn_merge or early_kv and self.attn_early_merge_kernel
+        config, num_splits = self.attn_early_config if early_kv else None, self.attn_num_splits
+        if self.short_context_keys(q.shape[0]) >= meta.max_seq_len:
+            config = self.attn_short_config
+            num_splits = -(-self.attn_short_keys // config[0])  # one tile a split
         self._attn.paged_decode_attention(
             q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
             merge_kernel=second_merge, heads_first=self.attn_heads_first, early_kv=early_kv,
             merge_chunk=self.attn_early_merge_chunk if early_kv else self.attn_merge_chunk,
-            num_splits=self.attn_num_splits,
-            config=self.attn_early_config if early_kv else None, rope=rope,
+            num_splits=num_splits, config=config, rope=rope,
         )  # fmt: skip
         return out
+
+    def short_context_keys(self, num_rows: int) -> int:
+        """The context length up to which a decode batch of num_rows rows takes
+        attn_short_config (0: none): CUDA graphs capture such batches apart."""
+        if self.attn_short_config is None or num_rows > self.attn_early_kv_rows:
+            return 0
+        return self.attn_short_keys
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_decode_only:

@@ -81,8 +81,10 @@ class CudaGraphRunner:
         ]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
-        # bucket -> (graph, its logits [bs, vocab], its greedy ids [bs] or None)
+        # bucket -> (graph, its logits [bs, vocab], its greedy ids [bs] or None); the short ones
+        # serve batches whose contexts are all within model.ops.short_context_keys(bucket)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.short_graphs: dict[int, tuple] = {}
         # the greedy pick inside the graph (see the module docstring), through the argmax
         # kernel: W2 3.866 vs 3.911 / 3.913 ms/token, same run (runs/2026-12-03m-gemv_ab.log);
         # with the two-stage torch argmax it gained nothing (4.039 vs 4.042,
@@ -102,14 +104,14 @@ class CudaGraphRunner:
     def can_run(self, inputs) -> bool:
         return inputs.max_query_len == 1 and inputs.num_reqs <= self.max_bs
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int, max_seq_len: int) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs],
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs],
             max_query_len=1,
-            max_seq_len=self.max_seq_len,  # an upper bound: kernels read true lengths
+            max_seq_len=max_seq_len,  # an upper bound: kernels read true lengths
             query_start_loc_cpu=[],
             seq_lens_cpu=[],
         )
@@ -124,10 +126,13 @@ class CudaGraphRunner:
             hidden = self.model(input_ids, ctx)
         return self.model.compute_logits(hidden)  # [bs, vocab_size]
 
-    def _step(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step(
+        self, bs: int, max_seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a graph runs: the logits, and (greedy_in_graph) each row's argmax, also written
-        to prev_token_ids for the next step (a sampler that picks otherwise overwrites it)."""
-        logits = self._forward(bs)
+        to prev_token_ids for the next step (a sampler that picks otherwise overwrites it).
+        max_seq_len: the bound on the rows' contexts the graph serves (default: the model's)."""
+        logits = self._forward(bs, max_seq_len or self.max_seq_len)
         if not self.greedy_in_graph:
             return logits, None
         # [bs], a view of prev_token_ids (the kernel writes it there: no copy node)
@@ -171,21 +176,35 @@ class CudaGraphRunner:
         self.pending_src.fill_(-1)
         pool = None
         for bs in reversed(self.batch_sizes):
-            self._step(bs)  # warm-up: compiles kernels, settles the allocator
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits, token_ids = self._step(bs)
-            pool = graph.pool()
-            self.graphs[bs] = (graph, logits, token_ids)
+            short = self.model.ops.short_context_keys(bs)
+            for graphs, max_seq_len in ((self.graphs, None), (self.short_graphs, short)):
+                if max_seq_len == 0:
+                    continue
+                self._step(bs, max_seq_len)  # warm-up: compiles kernels, settles the allocator
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits, token_ids = self._step(bs, max_seq_len)
+                pool = graph.pool()
+                graphs[bs] = (graph, logits, token_ids)
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for batch sizes %s", self.batch_sizes)
+        logger.info(
+            "captured CUDA graphs for batch sizes %s (and for short contexts: %s)",
+            self.batch_sizes, sorted(self.short_graphs),
+        )  # fmt: skip
+
+    def pick(self, inputs, bs: int) -> tuple[torch.CUDAGraph, torch.Tensor, torch.Tensor | None]:
+        """The bucket's graph for these inputs: its short-context one when every row fits."""
+        short = bs in self.short_graphs
+        if short and int(inputs.seq_lens.max()) <= self.model.ops.short_context_keys(bs):
+            return self.short_graphs[bs]
+        return self.graphs[bs]
 
     def run(self, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [bucket, vocab] and the greedy ids [bucket] (or None); the first
         inputs.num_reqs rows are real."""
         bs = self.bucket(inputs.num_reqs)
         self.stage(inputs, bs)
-        graph, logits, token_ids = self.graphs[bs]
+        graph, logits, token_ids = self.pick(inputs, bs)
         graph.replay()
         return logits, token_ids
