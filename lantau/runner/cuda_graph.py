@@ -12,6 +12,10 @@ row's input token from `prev_token_ids` or the host's ids as it embeds it. With
 `greedy_in_graph` (on, see there) the graph ends with the greedy pick of each row, written into
 `prev_token_ids`: for an all-greedy batch the sampler takes it, so between replays run only the
 copy of the ids to the host and the copy of the next step's inputs.
+
+A small bucket can have a second graph for batches whose contexts are all short
+(`ops.short_context_keys`): its attention is captured with another tiling, and each step
+replays the one its longest context allows.
 """
 
 from __future__ import annotations
