@@ -93,6 +93,8 @@ ATTN_SETS = [  # runs/2026-12-03o-u: tiles, splits, merges, early exit, fused no
     {},
     {"attn_short_config": (64, 8, 1)},
     {"attn_short_config": (64, 8, 1), "attn_short_keys": 512},
+    {"attn_early_merge_kernel": True},
+    {"attn_short_config": (64, 4, 1)},
     {"attn_short_config": (64, 8, 1)},
     {},
 ]
