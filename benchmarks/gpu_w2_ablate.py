@@ -92,14 +92,21 @@ class Ablation:
 ATTN_SETS = [  # runs/2026-12-03o-u: tiles, splits, merges, early exit, fused norms, rope
     {},
     {"attn_short_config": (64, 8, 1)},
+    {"gemv_maxnreg": 168},
+    {"gemv_maxnreg": 168, "attn_early_maxnreg": 168},
+    {"attn_early_maxnreg": 168},
+    {"attn_short_config": (64, 8, 1), "gemv_maxnreg": 168, "attn_early_maxnreg": 168},
     {"attn_short_config": (64, 8, 1), "attn_short_keys": 512},
     {"attn_early_merge_kernel": True},
-    {"attn_short_config": (64, 4, 1)},
-    {"attn_short_config": (64, 8, 1)},
     {},
 ]
 # W2 itself, each arm twice, alternated (the graph's fastest set is added if not among them)
-W2_ARMS = [{}, {"attn_short_config": (64, 8, 1)}]
+W2_ARMS = [
+    {},
+    {"attn_short_config": (64, 8, 1)},
+    {"gemv_maxnreg": 168},
+    {"gemv_maxnreg": 168, "attn_early_maxnreg": 168},
+]
 # batch-1 decode attention alone at these context lengths, default vs each config
 LONG_KEYS = (384, 2048, 8192, 32768)
 LONG_CONFIGS = [

@@ -221,6 +221,13 @@ def test_paged_decode_attention_splits_agree(dtype, num_heads, num_kv_heads, hea
     # it: the same sums
     for n in (1, 2, 3, 4):
         torch.testing.assert_close(run_decode(b, n, early_kv=True), outs[n], rtol=0, atol=0)
+    # a register cap (ignored by the interpreter) leaves the sums as they are
+    capped = torch.full_like(b["q"], float("nan"))
+    pa.paged_decode_attention(
+        b["q"], b["kv_cache"], capped, b["seq_lens"], b["block_tables"], b["max_seq_len"],
+        b["scale"], num_splits=4, early_kv=True, maxnreg=168,
+    )  # fmt: skip
+    torch.testing.assert_close(capped, outs[4], rtol=0, atol=0)
     for out in outs.values():
         assert_matches(out, ref, dtype)
     if dtype == torch.float32:  # splitting changes only the order of fp32 sums

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from lantau import LLM, SamplingParams
 
@@ -150,3 +151,26 @@ def _assert_same_tokens_and_logits(results: dict) -> None:
         for key, ref in ref_step.items():
             err = ((out_step[key] - ref).norm() / ref.norm()).item()
             assert err < 1e-5, (key, err)
+
+
+def test_gemv_register_cap_reaches_the_preloading_launches(monkeypatch):
+    """ops.gemv_maxnreg goes to every preloading GEMV launch (and to no other); off, the launch
+    takes no cap."""
+    from lantau.kernels import gemv
+    from lantau.model.ops import TritonOps
+
+    caps = []
+    original = gemv.gemv
+    monkeypatch.setattr(
+        gemv, "gemv", lambda *a, **k: (caps.append(k.get("maxnreg")), original(*a, **k))[1]
+    )
+    ops = TritonOps()
+    layer = torch.nn.Linear(64, 16, bias=False)
+    x = torch.randn(1, 64)
+    expected = layer(x)
+    for cap in (None, 168):
+        ops.gemv_maxnreg = cap
+        torch.testing.assert_close(ops.linear(x, layer), expected, rtol=1e-5, atol=1e-5)
+    ops.gemv_preload = False  # the K-loop launch: never capped
+    ops.linear(x, layer)
+    assert caps == [None, 168, None]

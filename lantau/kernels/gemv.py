@@ -274,11 +274,15 @@ def gemv(
     gated: bool = False,
     rope: Rope | None = None,
     preload: bool = False,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for 1 to GEMV_MAX_M rows of x; fp32 accumulation.
 
     `preload` (batch 1, K up to PRELOAD_MAX_K): each program loads its whole weight slice
     (BLOCK_N rows, config's BLOCK_K ignored) at once, before waiting on the previous kernel.
+    `maxnreg`: registers a thread may use at most (ptxas): fewer registers a program, more
+    programs (and weight slices in flight) an SM. The preload's 4 rows over 4 warps take 185
+    registers (2 programs an SM); at 168 they fit 3 with no spills (ptxas for sm_90).
 
     Batch 1 can also fold in the decoder layer's neighbours (one launch instead of two or three):
     - `norm_weight`: x is the residual stream, and the product is with rmsnorm(x) (eps);
@@ -350,6 +354,7 @@ def gemv(
         M_PAD=max(16, triton.next_power_of_2(m)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device),
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
     return y
 

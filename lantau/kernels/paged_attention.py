@@ -794,6 +794,7 @@ def paged_decode_attention(
     early_kv: bool = False,
     merge_chunk: int | None = None,
     rope: DecodeRope | None = None,
+    maxnreg: int | None = None,
 ) -> None:
     """Attention of one query per request over its whole cached context, into out.
 
@@ -818,6 +819,9 @@ def paged_decode_attention(
     lantau.kernels.rotary.apply_rotary_and_write_kv would have done before it (q and the
     step's key rotated, key and value stored to each request's slot) and attends with them: one
     launch fewer. q itself is left as it was.
+    maxnreg: the split kernel's register cap a thread (ptxas), to leave an SM's registers to the
+    next kernel's early programs: 64 keys over 8 warps take 254 (the whole register file), 168
+    with no spills (ptxas for sm_90, unrolled merge).
     """
     # q, out: [num_reqs, num_heads, head_dim]
     # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -895,6 +899,7 @@ def paged_decode_attention(
         **rope_args,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     if use_scratch and not merge:
         _paged_decode_merge_kernel[(num_reqs, num_heads)](

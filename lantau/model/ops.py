@@ -215,6 +215,10 @@ class TritonOps(_Compositions):
         # from 70.7 to 93.2 us (runs/2026-12-03u-final_w2.log)
         self.attn_short_config: tuple[int, int, int] | None = None
         self.attn_short_keys = 1024
+        # early-KV decode attention's register cap a thread (paged_decode_attention's
+        # `maxnreg`). NOTE: not yet measured: 168 (no spills) would leave each SM room for one
+        # preloading o_proj program beside the attention program, none at 254
+        self.attn_early_maxnreg: int | None = None
         # decode attention's splits of each context (None: paged_attention.default_num_splits)
         self.attn_num_splits: int | None = None
         # early-KV batches: decode attention's splits merged by a second launch, not in-launch
@@ -232,6 +236,10 @@ class TritonOps(_Compositions):
         # W2 4.122 vs 4.323 ms/token, same run (runs/2026-12-03e-gemv_preload.log); real-weight
         # parity decode 9.3e-3, as without (runs/2026-12-03f-parity_preload.log)
         self.gemv_preload = True
+        # the preloading GEMVs' register cap (gemv's `maxnreg`; None: ptxas's choice, 185 for
+        # 4 rows x 4 warps, 2 programs an SM). NOTE: 168 fits 3 programs an SM, a third more
+        # weights in flight while the kernels between GEMVs run; not yet measured
+        self.gemv_maxnreg: int | None = None
         self.preload_max_k = 4096  # down_proj's K = 14336 (gemv allows it) is not yet measured
         self.preload_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
@@ -248,6 +256,8 @@ class TritonOps(_Compositions):
         shape = tuple(layer.weight.shape)
         if self.gemv_preload and x.shape[0] == 1 and shape[1] <= self.preload_max_k:
             config = self.preload_configs.get(shape)
+            if self.gemv_maxnreg is not None:
+                fusions["maxnreg"] = self.gemv_maxnreg
             return self._gemv.gemv(x, layer.weight, layer.bias, config, preload=True, **fusions)
         return self._gemv.gemv(x, layer.weight, layer.bias, self.gemv_configs.get(shape), **fusions)
 
@@ -350,6 +360,7 @@ class TritonOps(_Compositions):
             merge_kernel=second_merge, heads_first=self.attn_heads_first, early_kv=early_kv,
             merge_chunk=self.attn_early_merge_chunk if early_kv else self.attn_merge_chunk,
             num_splits=num_splits, config=config, rope=rope,
+            maxnreg=self.attn_early_maxnreg if early_kv else None,
         )  # fmt: skip
         return out
 
