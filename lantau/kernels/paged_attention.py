@@ -349,12 +349,6 @@ def _paged_decode_split_kernel(
         # the step's own key: its slot now (a step input), its key and value after the wait,
         # as [HEAD_DIM] rows (not a second masked tile: half the registers)
         holds_new = (key_start <= seq_len - 1) & (seq_len - 1 < key_end)
-        if not ROPE:
-            new_block = tl.load(table + (seq_len - 1) // BLOCK_SIZE, mask=holds_new, other=0)
-            new_off = (
-                new_block.to(tl.int64) * stride_kv_block
-                + ((seq_len - 1) % BLOCK_SIZE) * stride_kv_slot
-            )
         if ROPE:  # the position's angles and the slot: step inputs (pdl.py's contract)
             half_d = offs_d % (HEAD_DIM // 2)
             angles = cos_sin_ptr + tl.load(pos_ptr + req) * HEAD_DIM
@@ -362,6 +356,12 @@ def _paged_decode_split_kernel(
             sin = tl.load(angles + HEAD_DIM // 2 + half_d)
             sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)  # rotate-half's signs
             new_slot = tl.load(slot_ptr + req)
+        else:  # the step's own key is in the cache already: its offset there
+            new_block = tl.load(table + (seq_len - 1) // BLOCK_SIZE, mask=holds_new, other=0)
+            new_off = (
+                new_block.to(tl.int64) * stride_kv_block
+                + ((seq_len - 1) % BLOCK_SIZE) * stride_kv_slot
+            )
         pdl_wait(USE_PDL)
         new = k_valid & ~old  # the step's own key, if this split holds it
         if ROPE:
@@ -511,6 +511,8 @@ def _merge_splits_unrolled(
     acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
     for s in tl.static_range(SPLITS):
         filled = g_mask & (s < num_filled)
+        # NOTE: loaded again rather than kept from the first loop (a static loop builds no
+        # list); the address is known up front, so this load flies with the first one (L2)
         lse = tl.load(
             part_lse_ptr + rows + s, mask=filled, other=float("-inf"), cache_modifier=".cg"
         )
