@@ -18,17 +18,16 @@ from lantau.runner.cuda_graph import CudaGraphRunner
 
 @pytest.mark.parametrize("short_keys", [0, 26])
 def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_keys):
-    """short_keys: decode attention's short-context config on (ops.attn_short_config), so that
+    """short_keys: decode attention's short-context config (ops.attn_short_config) on, so that
     batches whose contexts all fit in 26 keys run the short-context graphs (contexts here run
-    from 5 to 29 keys)."""
+    from 5 to 29 keys); 0: off."""
     llm = LLM(
         str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=128, max_num_seqs=8,
         attention_backend="triton",
     )  # fmt: skip
     runner = llm.engine.core.runner
     ops = runner.model.ops
-    if short_keys:
-        ops.attn_short_config, ops.attn_short_keys = (8, 4, 1), short_keys
+    ops.attn_short_config, ops.attn_short_keys = ((8, 4, 1) if short_keys else None), short_keys
     graphs = CudaGraphRunner(
         runner.config, runner.model, runner.kv_caches, runner.device, runner.prev_token_ids
     )

@@ -210,14 +210,16 @@ class TritonOps(_Compositions):
         # early-KV batches whose contexts are all at most attn_short_keys long: this
         # (BLOCK_N, num_warps, num_stages) instead, over attn_short_keys / BLOCK_N splits (one
         # tile each, so no loop to pipeline); the decode graphs capture such batches apart
-        # (short_context_keys). NOTE: off until measured in the engine: as a fixed config, 64 x 8
-        # at 1 stage took W2 from 3.834 to 3.815 ms/token but batch-1 attention at 32k keys
-        # from 70.7 to 93.2 us (runs/2026-12-03u-final_w2.log)
-        self.attn_short_config: tuple[int, int, int] | None = None
+        # (short_context_keys), so long contexts keep attn_early_config (at 32k keys 64 x 8 at
+        # 1 stage takes 93.2 us a launch, 70.7 at 2, runs/2026-12-03u-final_w2.log). W2 3.767 /
+        # 3.768 vs 3.786 / 3.786 ms/token, same run, alternated; 3.771 / 3.771 with
+        # attn_short_keys 512 (runs/2026-12-03x-sweep.log)
+        self.attn_short_config: tuple[int, int, int] | None = (64, 8, 1)
         self.attn_short_keys = 1024
         # early-KV decode attention's register cap a thread (paged_decode_attention's
-        # `maxnreg`). NOTE: not yet measured: 168 (no spills) would leave each SM room for one
-        # preloading o_proj program beside the attention program, none at 254
+        # `maxnreg`). NOTE: off: at 168 (no spills; room for one preloading o_proj program
+        # beside each attention program, none at 254) with gemv_maxnreg 168 too, W2 3.782 /
+        # 3.781 vs 3.786 / 3.786 ms/token, same run (runs/2026-12-03x-sweep.log): within noise
         self.attn_early_maxnreg: int | None = None
         # decode attention's splits of each context (None: paged_attention.default_num_splits)
         self.attn_num_splits: int | None = None
@@ -237,8 +239,9 @@ class TritonOps(_Compositions):
         # parity decode 9.3e-3, as without (runs/2026-12-03f-parity_preload.log)
         self.gemv_preload = True
         # the preloading GEMVs' register cap (gemv's `maxnreg`; None: ptxas's choice, 185 for
-        # 4 rows x 4 warps, 2 programs an SM). NOTE: 168 fits 3 programs an SM, a third more
-        # weights in flight while the kernels between GEMVs run; not yet measured
+        # 4 rows x 4 warps, 2 programs an SM). NOTE: off: 168 fits 3 programs an SM (no
+        # spills), yet W2 took 3.787 / 3.786 vs 3.786 / 3.786 ms/token, same run
+        # (runs/2026-12-03x-sweep.log)
         self.gemv_maxnreg: int | None = None
         self.preload_max_k = 4096  # down_proj's K = 14336 (gemv allows it) is not yet measured
         self.preload_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
