@@ -273,7 +273,12 @@ def e2e_parity() -> None:
         if backend.endswith("-new"):  # decode attention's first KV tiles before the PDL wait
             runner.model.ops.attn_early_kv_rows = 8
             # and the ops knobs under test, e.g. PARITY_KNOBS='{"fuse_decode": true}'
+            # ("fold_norm_weights": true folds the norms' weights into the projections)
             for key, value in json.loads(os.environ.get("PARITY_KNOBS", "{}")).items():
+                if key == "fold_norm_weights":
+                    if value:
+                        runner.model.fold_norm_weights()
+                    continue
                 setattr(runner.model.ops, key, tuple(value) if isinstance(value, list) else value)
         if backend.endswith(("-preload", "-new")) and not eager:
             runner.capture_cuda_graphs()

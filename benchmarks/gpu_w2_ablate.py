@@ -18,7 +18,13 @@ time (tiles, splits, the merge, early KV loads), each set's GPU time, and W2 its
 fastest set against the engine's default, alternated twice, greedy tokens checked; the
 ablation then runs with the fastest set.
 
-    PYTHONPATH=. python3 benchmarks/gpu_w2_ablate.py [--attn-sweep]
+With --norm-sweep instead (no ablation): the norms' weights folded into the projections
+(fold_norm_weights; the flag RMSNorm.folded then only says whether the fused GEMVs skip loading
+the all-ones weights), then the graph and W2 with the norms apart (the default), folded into
+the GEMVs with each GEMV program summing its row's squares, folded with the sums handed over
+by the launch that wrote the row (ops.norm_sums), and the same without the weight loads.
+
+    PYTHONPATH=. python3 benchmarks/gpu_w2_ablate.py [--attn-sweep | --norm-sweep]
 """
 
 from __future__ import annotations
@@ -107,6 +113,16 @@ W2_ARMS = [
     {"gemv_maxnreg": 168},
     {"gemv_maxnreg": 168, "attn_early_maxnreg": 168},
 ]
+# --norm-sweep: "model.folded" sets RMSNorm.folded on every norm (runs/2026-12-03x: norms
+# 2.2 us a layer; fuse_decode summing in every program lost 3.925 vs 3.839, runs s)
+NORM_SETS = [
+    {},
+    {"fuse_decode": True, "norm_sums": False},
+    {"fuse_decode": True},
+    {"fuse_decode": True, "model.folded": True},
+    {},
+]
+NORM_ARMS = [{}, {"fuse_decode": True}, {"fuse_decode": True, "model.folded": True}]
 # batch-1 decode attention alone at these context lengths, default vs each config
 LONG_KEYS = (384, 2048, 8192, 32768)
 LONG_CONFIGS = [
@@ -123,6 +139,9 @@ def apply_knobs(core, knobs: dict) -> None:
     for key, value in knobs.items():
         if key.startswith("graphs."):
             graph_knobs[key.removeprefix("graphs.")] = value
+        elif key == "model.folded":
+            for norm in norms(core.runner.model):
+                norm.folded = value
         else:
             setattr(core.runner.model.ops, key, value)
     core.runner.capture_cuda_graphs()
@@ -132,19 +151,25 @@ def apply_knobs(core, knobs: dict) -> None:
         core.runner.graphs.capture()
 
 
+def norms(model) -> list:
+    return [m for m in model.modules() if type(m).__name__ == "RMSNorm"]
+
+
 def knob_default(core, key: str):
+    if key == "model.folded":
+        return False
     if key.startswith("graphs."):
         return getattr(core.runner.graphs, key.removeprefix("graphs."))
     return getattr(core.runner.model.ops, key)
 
 
-def attention_sweep(llm, results: dict) -> tuple[list[str], dict]:
+def attention_sweep(llm, results: dict, sets=ATTN_SETS, arms=W2_ARMS) -> tuple[list[str], dict]:
     """The sweep's table rows, and the fastest set of knobs (left set on the ops)."""
     core = llm.engine.core
     block_size = llm.config.cache.block_size
-    defaults = {key: knob_default(core, key) for s in ATTN_SETS for key in s}
+    defaults = {key: knob_default(core, key) for s in sets for key in s}
     table, timed = [], []
-    for knobs in ATTN_SETS:
+    for knobs in sets:
         apply_knobs(core, {**defaults, **knobs})
         graph = batch1_graph(core.runner.graphs, 384, block_size)
         ms = min(replay_ms(graph, 50) for _ in range(3))
@@ -157,7 +182,7 @@ def attention_sweep(llm, results: dict) -> tuple[list[str], dict]:
     w2 = make_workload("W2", 128256)
     check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
     reference = None
-    arms = W2_ARMS + ([] if best in W2_ARMS else [best])
+    arms = arms + ([] if best in arms else [best])
     defaults.update({key: knob_default(core, key) for arm in arms for key in arm})
     for knobs in arms * 2:
         apply_knobs(core, {**defaults, **knobs})
@@ -218,6 +243,7 @@ def long_contexts(results: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--attn-sweep", action="store_true")
+    parser.add_argument("--norm-sweep", action="store_true", help="no ablation after it")
     parser.add_argument("--long", action="store_true", help="attention alone at long contexts")
     args = parser.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
@@ -248,13 +274,18 @@ def main() -> None:
             ablation.restore()
 
     table = long_contexts(results) if args.long else []
-    if args.attn_sweep:  # first, so that the ablation below runs with the fastest knobs
+    if args.norm_sweep:
+        model.fold_norm_weights()
+        table, best = attention_sweep(llm, results, NORM_SETS, NORM_ARMS)
+        rows = []
+    elif args.attn_sweep:  # first, so that the ablation below runs with the fastest knobs
         table, best = attention_sweep(llm, results)
         results["ablation_knobs"] = best  # left set by the sweep
         table.append(f"| ablation below with {best or 'the defaults'} | | |")
-    rows = [("full", set())]
-    rows += [(f"without {name}", {name}) for name in GEMVS + SMALL]
-    rows += [("GEMVs alone", set(SMALL)), ("without GEMVs", set(GEMVS)), ("full again", set())]
+    if not args.norm_sweep:
+        rows = [("full", set())]
+        rows += [(f"without {name}", {name}) for name in GEMVS + SMALL]
+        rows += [("GEMVs alone", set(SMALL)), ("without GEMVs", set(GEMVS)), ("full again", set())]
     full = None
     for label, skip in rows:
         ms = time_without(skip)

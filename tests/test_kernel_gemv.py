@@ -111,6 +111,50 @@ def test_gemv_fusions_reject_bad_inputs():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (34, 1000)])
+@pytest.mark.parametrize("preload", [False, True])
+def test_gemv_sum_of_squares_handoff(dtype, n, k, preload):
+    """A residual GEMV leaves the new residual's sum of squares (fp64) for the norm of the next
+    GEMV, which reads it instead of summing x itself: the residual as without, the sum as
+    torch's, and the next GEMV (norm weight multiplied in, or folded into W) as the fp32
+    reference and as the one that sums for itself."""
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, n, generator=gen).to(dtype)
+    w_o = (torch.randn(k, n, generator=gen) / n**0.5).to(dtype)  # writes the residual [1, k]
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)  # reads it
+    w = w[: n - n % 2]
+    norm_weight = (torch.rand(k, generator=gen) + 0.5).to(dtype)
+    residual = torch.randn(1, k, generator=gen).to(dtype)
+    sums = torch.tensor([0.0, 7.0], dtype=torch.float64)  # [total, stale]
+    for config in [None, (8, 64, 4, 2)]:
+        plain = gemv(x, w_o, config=config, residual=residual.clone(), preload=preload)
+        h = residual.clone()
+        sums.copy_(torch.tensor([0.0, 7.0]))
+        gemv(x, w_o, config=config, residual=h, preload=preload, sumsq_out=(sums[:1], sums[1:]))
+        assert torch.equal(h, plain)  # the residual itself is unchanged
+        expected = h.double().pow(2).sum().item()
+        assert sums[0].item() == pytest.approx(expected, rel=1e-6) and sums[1].item() == 0.0
+        for gated in (False, True):
+            kwargs = dict(eps=1e-5, gated=gated, config=config, preload=preload)
+            ref = gemv_ref(h, w, norm_weight=norm_weight, eps=1e-5, gated=gated)
+            summed = gemv(h, w, norm_weight=norm_weight, **kwargs)
+            out = gemv(h, w, norm_weight=norm_weight, sumsq=sums[:1], **kwargs)
+            assert rel_err(out, ref) < 2 * TOLERANCES[dtype], (config, gated)
+            assert rel_err(out, summed.float()) < TOLERANCES[dtype], (config, gated)
+            # the weight folded into W: y = (W diag(norm_weight)) rmsnorm(h), no weight loaded
+            folded = (w.float() * norm_weight.float()).to(dtype)
+            out = gemv(h, folded, norm=True, sumsq=sums[:1], **kwargs)
+            ref = gemv_ref(h, folded, norm=True, eps=1e-5, gated=gated)
+            assert rel_err(out, ref) < 2 * TOLERANCES[dtype], (config, gated)
+    with pytest.raises(AssertionError, match="norm's input"):
+        gemv(h, w, sumsq=sums[:1])
+    with pytest.raises(AssertionError, match="residual's output"):
+        gemv(x, w_o, sumsq_out=(sums[:1], sums[1:]))
+    with pytest.raises(AssertionError, match="fp64"):
+        gemv(h, w, norm=True, sumsq=sums[:1].float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(40, 96), (34, 1000), (2, 64)])
 def test_gemv_gated_matches_reference(dtype, n, k):
     """Batch 1 with the SiLU-and-mul after the product (gate_up_proj's output never written):

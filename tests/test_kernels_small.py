@@ -279,6 +279,13 @@ def test_embedding_with_device_picked_ids(dtype: torch.dtype, hidden: int) -> No
     # TorchOps and TritonOps agree
     triton_out = ops.TritonOps().embed(ids, weight, src, prev)
     assert torch.equal(triton_out, ops.TorchOps.embed(ids, weight, src, prev))
+    # one row, with its sum of squares handed to the first norm (fp64, over several programs)
+    sums = torch.tensor([0.0, 3.0], dtype=torch.float64)  # [total, stale]
+    one = embedding(ids[3:4], weight, src[3:4], prev, sumsq_out=(sums[:1], sums[1:]))
+    assert torch.equal(one[0], weight[250]) and sums[1].item() == 0.0
+    assert sums[0].item() == pytest.approx(weight[250].double().pow(2).sum().item(), rel=1e-6)
+    with pytest.raises(AssertionError, match="one row"):
+        embedding(ids, weight, sumsq_out=(sums[:1], sums[1:]))
 
 
 def test_launchers_reject_bad_inputs() -> None:

@@ -82,12 +82,42 @@ def _rope_epilogue(
 
 
 @triton.jit
+def _after_wait(ss_in_ptr, y_ptr, offs_n, n_mask, SUMSQ_IN: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The loads that must follow the PDL wait but not the product, issued with x's: x's sum
+    of squares (fp32; SUMSQ_IN) and the residual's rows (fp32; RESIDUAL). Zeros when off."""
+    ss_in = 0.0
+    if SUMSQ_IN:
+        ss_in = tl.load(ss_in_ptr).to(tl.float32)
+    residual = tl.zeros(offs_n.shape, tl.float32)
+    if RESIDUAL:
+        residual = tl.load(y_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    return ss_in, residual
+
+
+@triton.jit
+def _add_sumsq(h, mask, ss_out_ptr, ss_zero_ptr, pid):
+    """Add the sum of squares of h (the residual rows a program wrote, as rounded) to
+    ss_out_ptr, in fp64: the programs' fp32 partial sums add exactly (or to ~1e-16, far below
+    the fp32 the norm reads) in whatever order they come, so the norm is the same from run to
+    run. Program 0 zeroes ss_zero_ptr (lantau.model.ops.NormSums)."""
+    hf = tl.where(mask, h.to(tl.float32), 0.0)
+    tl.atomic_add(ss_out_ptr, tl.sum(hf * hf, axis=0).to(tl.float64), sem="relaxed")
+    if pid == 0:
+        tl.store(ss_zero_ptr, 0.0)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K] ([1, 2K] when SILU)
     w_ptr,  # [N, K] row-major (nn.Linear's weight)
     b_ptr,  # [N] or a dummy when not HAS_BIAS
     y_ptr,  # [M, N]; the residual [1, N], updated in place, when RESIDUAL
-    nw_ptr,  # [K] the RMSNorm weight when NORM, else a dummy
+    nw_ptr,  # [K] the RMSNorm weight when NORM and NORM_WEIGHT, else a dummy
+    # sums of squares (fp64 [1] each, dummies unless SUMSQ_IN / SUMSQ_OUT): x's, read by NORM;
+    # the new residual's, added to; a slot zeroed (Sums, below)
+    ss_in_ptr,
+    ss_out_ptr,
+    ss_zero_ptr,
     # ROPE: the token's position [1], cos/sin cache [max_pos, HEAD_DIM] fp32, key and value
     # caches [num_slots, num_kv_heads, HEAD_DIM], its slot [1] (dummies when not ROPE)
     pos_ptr,
@@ -106,6 +136,9 @@ def _gemv_kernel(
     M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,  # y = W rmsnorm(x): x is the residual stream (M == 1)
+    NORM_WEIGHT: tl.constexpr,  # NORM's weight multiplied in (else folded into W: all ones)
+    SUMSQ_IN: tl.constexpr,  # NORM: x's sum of squares read from ss_in_ptr, not summed here
+    SUMSQ_OUT: tl.constexpr,  # RESIDUAL: the new residual's sum of squares added to ss_out_ptr
     SILU: tl.constexpr,  # y = W (silu(gate) * up) for x = [gate | up] (M == 1)
     RESIDUAL: tl.constexpr,  # y_ptr += W x, rounded as the unfused add (M == 1)
     GATED: tl.constexpr,  # y = silu(g) * u for [g | u] = W x: W is [gate; up], y N/2 wide
@@ -145,11 +178,17 @@ def _gemv_kernel(
         # it streams in while the previous kernel finishes
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :])
+        if NORM and NORM_WEIGHT:  # no kernel writes it either
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         pdl_wait(USE_PDL)
-        x, sq = _x_chunk(x_ptr, nw_ptr, 0, offs_k, k_mask, K, NORM, SILU)
+        ss_in, residual = _after_wait(ss_in_ptr, y_ptr, offs_n, n_mask, SUMSQ_IN, RESIDUAL)
+        x, sq = _x_chunk(x_ptr, nw_ptr, 0, offs_k, k_mask, K, False, SILU)
+        if NORM and NORM_WEIGHT:
+            x = x * nw
         acc = w.to(tl.float32) * x[None, :]
     elif M == 1:
         pdl_wait(USE_PDL)
+        ss_in, residual = _after_wait(ss_in_ptr, y_ptr, offs_n, n_mask, SUMSQ_IN, RESIDUAL)
         # a 2-D accumulator, reduced once at the end: no cross-thread sum per chunk. NOTE: the
         # loop as written pipelines best; peeling the first weight tile out of it, to read it
         # before pdl_wait, cost 10-20% on the H200 (runs/2026-12-03-gpu_gemv-sweep-peeled.log)
@@ -158,14 +197,15 @@ def _gemv_kernel(
         for k in range(0, K, BLOCK_K):
             k_mask = (k + offs_k) < K
             w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :])
-            x, sq_k = _x_chunk(x_ptr, nw_ptr, k, offs_k, k_mask, K, NORM, SILU)
+            x, sq_k = _x_chunk(x_ptr, nw_ptr, k, offs_k, k_mask, K, NORM and NORM_WEIGHT, SILU)
             acc += w.to(tl.float32) * x[None, :]
-            if NORM:
+            if NORM and not SUMSQ_IN:
                 sq += sq_k
     if M == 1:
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
         if NORM:
-            y *= tl.math.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            total = ss_in if SUMSQ_IN else tl.sum(sq, axis=0)
+            y *= tl.math.rsqrt(total / K + eps)
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         y = y.to(y_ptr.dtype.element_ty)
@@ -183,8 +223,9 @@ def _gemv_kernel(
             tl.store(y_ptr + offs_out, out, mask=offs_out < N // 2)
         else:
             if RESIDUAL:  # the projection rounded, then the sum rounded: as x + residual
-                residual = tl.load(y_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
                 y = (residual + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+                if SUMSQ_OUT:
+                    _add_sumsq(y, n_mask, ss_out_ptr, ss_zero_ptr, pid)
             tl.store(y_ptr + offs_n, y, mask=n_mask)
     else:
         pdl_wait(USE_PDL)
@@ -275,6 +316,9 @@ def gemv(
     rope: Rope | None = None,
     preload: bool = False,
     maxnreg: int | None = None,
+    norm: bool = False,
+    sumsq: torch.Tensor | None = None,
+    sumsq_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for 1 to GEMV_MAX_M rows of x; fp32 accumulation.
 
@@ -285,9 +329,14 @@ def gemv(
     registers (2 programs an SM); at 168 they fit 3 with no spills (ptxas for sm_90).
 
     Batch 1 can also fold in the decoder layer's neighbours (one launch instead of two or three):
-    - `norm_weight`: x is the residual stream, and the product is with rmsnorm(x) (eps);
+    - `norm_weight`: x is the residual stream, and the product is with rmsnorm(x) (eps); `norm`
+      alone: the same with the norm's weight folded into `weight` (all ones);
+    - `sumsq` (fp64 [1], with a norm): x's sum of squares, as a `sumsq_out` left it, read
+      instead of summed by every program;
     - `silu`: x is [gate | up] (2K wide), and the product is with silu(gate) * up;
     - `residual` ([1, N]): the result is added to it in place, and it is returned;
+      `sumsq_out` (fp64 [1] views (total, stale)): the new residual's sum of squares is added
+      to `total` (zeroed beforehand), and `stale` zeroed;
     - `gated`: weight is [gate; up] (N = 2d), and the result is silu(x gate^T) * (x up^T),
       [1, d] (the SiLU-and-mul after the product, each program owning matching gate and up rows);
     - `rope`: weight is qkv_proj ([q; k; v] heads), and the product's q and k are rotated
@@ -308,10 +357,15 @@ def gemv(
     assert x.device == weight.device, f"x on {x.device}, weight on {weight.device}"
     if bias is not None:
         assert bias.shape == (n,) and bias.dtype == x.dtype, f"bias {tuple(bias.shape)}"
-    fused = norm_weight is not None or silu or residual is not None or gated or rope is not None
+    norm = norm or norm_weight is not None
+    fused = norm or silu or residual is not None or gated or rope is not None
     assert m == 1 or not fused, f"the fusions serve batch 1, got {m} rows"
     assert not gated or (residual is None and n % 2 == 0), f"gated: N={n} must be even, no residual"
-    assert norm_weight is None or not silu, "norm_weight and silu do not combine"
+    assert not (norm and silu), "a norm and silu do not combine"
+    assert sumsq is None or norm, "sumsq is a norm's input"
+    assert sumsq_out is None or residual is not None, "sumsq_out is a residual's output"
+    for t in (sumsq, *(sumsq_out or ())):
+        assert t is None or (t.shape == (1,) and t.dtype == torch.float64), "sums: fp64 [1]"
     if norm_weight is not None:
         assert norm_weight.shape == (k,), f"norm_weight {tuple(norm_weight.shape)}, K={k}"
         assert norm_weight.dtype == x.dtype, f"norm_weight {norm_weight.dtype}, x {x.dtype}"
@@ -345,9 +399,11 @@ def gemv(
     _gemv_kernel[(grid,)](
         x, weight, weight if bias is None else bias, y,
         weight if norm_weight is None else norm_weight,
+        weight if sumsq is None else sumsq, *(sumsq_out or (weight, weight)),
         *(rope.pointers() if rope else (weight,) * 5), num_q_heads, num_kv_heads, n, k, eps,
         x.stride(0), weight.stride(0), y.stride(0),
-        M=m, HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU=silu,
+        M=m, HAS_BIAS=bias is not None, NORM=norm, NORM_WEIGHT=norm_weight is not None,
+        SUMSQ_IN=sumsq is not None, SUMSQ_OUT=sumsq_out is not None, SILU=silu,
         RESIDUAL=residual is not None, GATED=gated, ROPE=rope is not None, HEAD_DIM=head_dim,
         PRELOAD=preload, BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -369,11 +425,14 @@ def gemv_ref(
     silu: bool = False,
     residual: torch.Tensor | None = None,
     gated: bool = False,
+    norm: bool = False,
 ) -> torch.Tensor:
     """fp32 reference of gemv, fusions included (residual is not modified)."""
     x = x.float()
+    if norm or norm_weight is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     if norm_weight is not None:
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+        x = x * norm_weight.float()
     if silu:
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up

@@ -14,7 +14,7 @@ from torch import nn
 
 from lantau.config import ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
-from lantau.model.ops import Ops, build_cos_sin_cache, make_ops
+from lantau.model.ops import NormSums, Ops, build_cos_sin_cache, make_ops
 from lantau.runner.attention import ForwardContext
 
 
@@ -44,6 +44,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        # the weight is all ones, multiplied into the projection after the norm instead
+        # (LlamaForCausalLM.fold_norm_weights)
+        self.folded = False
 
 
 class LlamaAttention(nn.Module):
@@ -64,12 +67,15 @@ class LlamaAttention(nn.Module):
         # x: [num_tokens, hidden_size]
         return ops.linear(self.attend(x, ctx, ops), self.o_proj)  # [num_tokens, hidden]
 
-    def attend(self, x: torch.Tensor, ctx: ForwardContext, ops: Ops, norm=None) -> torch.Tensor:
-        """The qkv projection of x (of norm(x), x the residual stream, when `norm` is given),
-        rotary, KV-cache write and attention: [num_tokens, q_size]."""
+    def attend(
+        self, x: torch.Tensor, ctx: ForwardContext, ops: Ops, norm=None, sumsq=None
+    ) -> torch.Tensor:
+        """The qkv projection of x (of norm(x), x the residual stream, when `norm` is given;
+        `sumsq` x's sum of squares, NormSums), rotary, KV-cache write and attention:
+        [num_tokens, q_size]."""
         out = ops.qkv_attention(
             x, self.qkv_proj, self.num_heads, ctx.positions, ctx.cos_sin_cache,
-            ctx.kv_caches[self.layer_idx], ctx.attn, self.scale, norm=norm,
+            ctx.kv_caches[self.layer_idx], ctx.attn, self.scale, norm=norm, sumsq=sumsq,
         )  # fmt: skip
         return out.reshape(-1, self.q_size)
 
@@ -107,15 +113,20 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         return self.mlp(x, ops), residual
 
-    def forward_fused(self, h: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
+    def forward_fused(
+        self, h: torch.Tensor, ctx: ForwardContext, ops: Ops, sums: NormSums
+    ) -> torch.Tensor:
         """The same layer on the whole residual stream h, each norm folded into the projection
         after it, each residual add into the one before it, and the SiLU-and-mul into gate_up's
-        (`ops.fuses`): returns the new h."""
-        attn, mlp = self.self_attn, self.mlp
-        out = attn.attend(h, ctx, ops, norm=self.input_layernorm)
-        h = ops.linear_add(out, attn.o_proj, h)
-        act = ops.norm_linear_silu_mul(h, self.post_attention_layernorm, mlp.gate_up_proj)
-        return ops.linear_add(act, mlp.down_proj, h)
+        (`ops.fuses`); each residual write hands its sum of squares to the next norm through
+        `sums`: returns the new h."""
+        attn, mlp, slot = self.self_attn, self.mlp, 2 * self.self_attn.layer_idx
+        out = attn.attend(h, ctx, ops, norm=self.input_layernorm, sumsq=sums.reader(slot))
+        h = ops.linear_add(out, attn.o_proj, h, sumsq_out=sums.writer(slot + 1))
+        act = ops.norm_linear_silu_mul(
+            h, self.post_attention_layernorm, mlp.gate_up_proj, sumsq=sums.reader(slot + 1)
+        )
+        return ops.linear_add(act, mlp.down_proj, h, sumsq_out=sums.writer(slot + 2))
 
 
 class LlamaModel(nn.Module):
@@ -151,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
         max_positions = max_positions or config.max_position_embeddings
         # NOTE: a plain attribute, not a buffer: it stays fp32 whatever the model's dtype
         self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(device), max_positions)
+        self._norm_sums: NormSums | None = None  # the fused path's, made on first use
+        self._final_sumsq: torch.Tensor | None = None  # set by a fused forward, for its logits
 
     def forward(
         self,
@@ -163,19 +176,65 @@ class LlamaForCausalLM(nn.Module):
         pick: (pick_src, prev_ids), token i's id taken from prev_ids[pick_src[i]] where
         pick_src[i] >= 0 (Ops.embed)."""
         ctx.cos_sin_cache = self.cos_sin_cache
-        x = self.ops.embed(input_ids, self.model.embed_tokens.weight, *(pick or ()))
-        if self.ops.fuses(x.shape[0]):
-            for layer in self.model.layers:
-                x = layer.forward_fused(x, ctx, self.ops)
-            return x
+        embedding = self.model.embed_tokens.weight
+        self._final_sumsq = None
+        if self.ops.fuses(input_ids.shape[0]):
+            return self._forward_fused(input_ids, ctx, pick)
+        x = self.ops.embed(input_ids, embedding, *(pick or ()))
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx, self.ops)
         return x + residual
 
+    def _forward_fused(self, input_ids, ctx: ForwardContext, pick) -> torch.Tensor:
+        """forward's single-row path (`ops.fuses`): the layers' forward_fused on the residual
+        stream, which carries its sum of squares from each write to the norm after it."""
+        sums = self._norm_sums
+        if sums is None or sums.sums.device != input_ids.device:
+            sums = self._norm_sums = NormSums(len(self.model.layers), input_ids.device)
+        try:
+            h = self.ops.embed(
+                input_ids, self.model.embed_tokens.weight, *(pick or ()),
+                sumsq_out=sums.writer(0),
+            )  # fmt: skip
+            for layer in self.model.layers:
+                h = layer.forward_fused(h, ctx, self.ops, sums)
+        except BaseException:
+            sums.sums.zero_()  # a step cut short leaves no stale sum behind
+            raise
+        self._final_sumsq = sums.reader(sums.last)
+        return h
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # [num_rows, vocab_size]
-        return self.ops.norm_linear(hidden, self.model.norm, self.lm_head)
+        """[num_rows, vocab_size] of the rows of the last forward's output (one row after a
+        fused forward, whose sum of squares the final norm then reads)."""
+        sumsq = self._final_sumsq if hidden.shape[0] == 1 else None
+        return self.ops.norm_linear(hidden, self.model.norm, self.lm_head, sumsq)
+
+    @torch.no_grad()
+    def fold_norm_weights(self) -> None:
+        """Multiply each RMSNorm's weight into the columns of the projection after it (qkv_proj,
+        gate_up_proj, and lm_head unless tied to the embedding) and make it ones
+        (RMSNorm.folded): the same model up to one rounding of those weights, whose fused
+        single-row GEMVs then load no norm weight."""
+        pairs = [
+            pair
+            for layer in self.model.layers
+            for pair in (
+                (layer.input_layernorm, layer.self_attn.qkv_proj),
+                (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+            )
+        ]
+        if self.lm_head.weight is not self.model.embed_tokens.weight:
+            pairs.append((self.model.norm, self.lm_head))
+        for norm, linear in pairs:
+            if norm.folded:
+                continue
+            scale = norm.weight.float()
+            for rows in linear.weight.split(8192):  # fp32 a slice at a time
+                rows.copy_(rows.float() * scale)
+            norm.weight.fill_(1.0)
+            norm.folded = True
 
     def _shard_slice(self, fused: str, shard: int) -> slice:
         c = self.config
@@ -188,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        if any(isinstance(m, RMSNorm) and m.folded for m in self.modules()):
+            raise ModelLoadError("weights load into a model whose norms are not folded yet")
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         loaded: set[str] = set()
         shards: dict[str, set[int]] = {}  # fused parameter -> shards copied so far

@@ -30,6 +30,31 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
     )
 
 
+class NormSums:
+    """Batch-1 fused steps (TritonOps.fuses) hand each RMSNorm its input's sum of squares: every
+    write of the residual stream (the embedding, then each o_proj and down_proj with its
+    residual add) adds the sum to a slot of its own (fp64), which the norm folded into the next
+    GEMV reads instead of summing the 4,096-wide row again in every one of its programs.
+
+    Slot j's writer also zeroes slot j - 1, read by then: a step leaves only its last slot set
+    (the final norm's), and the next step's embedding zeroes it. Layer i reads slot 2i, writes
+    2i + 1 (o_proj) and 2i + 2 (down_proj)."""
+
+    def __init__(self, num_layers: int, device: torch.device) -> None:
+        self.sums = torch.zeros(2 * num_layers + 1, dtype=torch.float64, device=device)
+
+    def writer(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the slot, the slot before it, zeroed by the same launch)."""
+        return self.sums[slot : slot + 1], self.sums[slot - 1 : slot or None]
+
+    def reader(self, slot: int) -> torch.Tensor:
+        return self.sums[slot : slot + 1]
+
+    @property
+    def last(self) -> int:
+        return self.sums.shape[0] - 1
+
+
 class _Compositions:
     """The model's composite ops, as both backends run them unfused; TritonOps runs them as one
     GEMV launch each at one row (`fuses`)."""
@@ -39,42 +64,45 @@ class _Compositions:
         norm_linear_silu_mul in place of the add + norm pairs)."""
         return False
 
-    def norm_linear(self, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
-        """layer(rms_norm(h)), with norm an RMSNorm module."""
+    def norm_linear(self, h, norm, layer: torch.nn.Linear, sumsq=None) -> torch.Tensor:
+        """layer(rms_norm(h)), with norm an RMSNorm module; `sumsq`: h's sum of squares, when
+        known (NormSums.reader; the fused path may use it)."""
         return self.linear(self.rms_norm(h, norm.weight, norm.eps), layer)
 
-    def linear_add(self, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
-        """residual + layer(x): the new residual stream (in place on it when fused)."""
+    def linear_add(self, x, layer: torch.nn.Linear, residual, sumsq_out=None) -> torch.Tensor:
+        """residual + layer(x): the new residual stream (in place on it when fused);
+        `sumsq_out`: where the fused path may leave its sum of squares (NormSums.writer)."""
         return self.linear(x, layer) + residual
 
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         """silu_and_mul(layer(x)) for layer = gate_up_proj: [num_tokens, intermediate]."""
         return self.silu_and_mul(self.linear(x, layer))
 
-    def norm_linear_silu_mul(self, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
-        """linear_silu_mul(rms_norm(h)), with norm an RMSNorm module."""
+    def norm_linear_silu_mul(self, h, norm, layer: torch.nn.Linear, sumsq=None) -> torch.Tensor:
+        """linear_silu_mul(rms_norm(h)), with norm an RMSNorm module (`sumsq` as norm_linear's)."""
         return self.linear_silu_mul(self.rms_norm(h, norm.weight, norm.eps), layer)
 
     def qkv_rotary_write_kv(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
-        slot_mapping, norm=None,
+        slot_mapping, norm=None, sumsq=None,
     ) -> torch.Tensor:  # fmt: skip
         """The attention's input side: the qkv projection of x (of rms_norm(x), x the residual
-        stream, with `norm`), rotary on q and k, k and v to their cache slots:
-        q [num_tokens, num_heads, head_dim]."""
+        stream, with `norm`; `sumsq` as norm_linear's), rotary on q and k, k and v to their
+        cache slots: q [num_tokens, num_heads, head_dim]."""
         num_kv_heads, head_dim = kv_cache.shape[3:]
-        qkv = self.linear(x, layer) if norm is None else self.norm_linear(x, norm, layer)
+        qkv = self.linear(x, layer) if norm is None else self.norm_linear(x, norm, layer, sumsq)
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
         return self.rotary_and_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping)
 
     def qkv_attention(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
-        meta: AttentionMetadata, scale: float, norm=None,
+        meta: AttentionMetadata, scale: float, norm=None, sumsq=None,
     ) -> torch.Tensor:  # fmt: skip
         """qkv_rotary_write_kv, then attention: [num_tokens, num_heads, head_dim]."""
         q = self.qkv_rotary_write_kv(
-            x, layer, num_heads, positions, cos_sin_cache, kv_cache, meta.slot_mapping, norm
-        )
+            x, layer, num_heads, positions, cos_sin_cache, kv_cache, meta.slot_mapping, norm,
+            sumsq,
+        )  # fmt: skip
         return self.attention(q, kv_cache, meta, scale)
 
 
@@ -86,9 +114,10 @@ class TorchOps(_Compositions):
         return 0  # one attention for every context length
 
     @staticmethod
-    def embed(input_ids, weight, pick_src=None, prev_ids=None) -> torch.Tensor:
+    def embed(input_ids, weight, pick_src=None, prev_ids=None, sumsq_out=None) -> torch.Tensor:
         """weight[ids]: [num_tokens, hidden]; with pick_src, row i's id is prev_ids[pick_src[i]]
-        where pick_src[i] >= 0 (a token the previous step sampled on the device)."""
+        where pick_src[i] >= 0 (a token the previous step sampled on the device). `sumsq_out`
+        as linear_add's (ignored here)."""
         from lantau.kernels.embedding import embedding_ref
 
         return embedding_ref(input_ids, weight, pick_src, prev_ids)
@@ -173,6 +202,10 @@ class TritonOps(_Compositions):
         # norm's sum of squares and the residual's load-add-store lengthen every GEMV program
         # after its wait by more than the norm launch they save
         self.fuse_decode = False
+        # with fuse_decode: each residual write leaves the row's sum of squares for the norm
+        # folded into the next GEMV (NormSums), so no GEMV program sums the row itself.
+        # NOTE: not yet measured on the GPU
+        self.norm_sums = True
         # batch 1: the SiLU-and-mul in the gate_up GEMV's epilogue (one launch, no gate_up write;
         # each program preloads its gate rows and their up rows). W2 3.969 vs 4.010 ms/token,
         # graph 3.907 vs 3.943 ms, same run, greedy tokens and logits equal
@@ -246,9 +279,11 @@ class TritonOps(_Compositions):
         self.preload_max_k = 4096  # down_proj's K = 14336 (gemv allows it) is not yet measured
         self.preload_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
-    def embed(self, input_ids, weight, pick_src=None, prev_ids=None) -> torch.Tensor:
-        """TorchOps.embed in one launch (the pick included)."""
-        return self._embedding.embedding(input_ids, weight, pick_src, prev_ids)
+    def embed(self, input_ids, weight, pick_src=None, prev_ids=None, sumsq_out=None):
+        """TorchOps.embed in one launch (the pick included; the row's sum of squares too, with
+        `norm_sums`)."""
+        sumsq_out = sumsq_out if self.norm_sums else None
+        return self._embedding.embedding(input_ids, weight, pick_src, prev_ids, sumsq_out)
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         if self.use_gemv and x.shape[0] <= self.gemv_max_m:
@@ -267,24 +302,35 @@ class TritonOps(_Compositions):
     def fuses(self, num_rows: int) -> bool:
         return self.use_gemv and self.fuse_decode and num_rows == 1
 
-    def norm_linear(self, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
+    def _norm_fusions(self, norm, sumsq) -> dict:
+        """The GEMV's fusions for a norm before it: its weight unless folded into the GEMV's
+        (RMSNorm.folded), and the row's sum of squares when handed over (`norm_sums`)."""
+        fusions = dict(norm=True, eps=norm.eps)
+        if not norm.folded:
+            fusions["norm_weight"] = norm.weight
+        if self.norm_sums and sumsq is not None:
+            fusions["sumsq"] = sumsq
+        return fusions
+
+    def norm_linear(self, h, norm, layer: torch.nn.Linear, sumsq=None) -> torch.Tensor:
         if self.fuses(h.shape[0]):
-            return self._gemv_linear(h, layer, norm_weight=norm.weight, eps=norm.eps)
+            return self._gemv_linear(h, layer, **self._norm_fusions(norm, sumsq))
         return super().norm_linear(h, norm, layer)
 
-    def linear_add(self, x, layer: torch.nn.Linear, residual) -> torch.Tensor:
+    def linear_add(self, x, layer: torch.nn.Linear, residual, sumsq_out=None) -> torch.Tensor:
         if self.fuses(x.shape[0]):
-            return self._gemv_linear(x, layer, residual=residual)
+            sums = {"sumsq_out": sumsq_out} if self.norm_sums and sumsq_out else {}
+            return self._gemv_linear(x, layer, residual=residual, **sums)
         return super().linear_add(x, layer, residual)
 
-    def norm_linear_silu_mul(self, h, norm, layer: torch.nn.Linear) -> torch.Tensor:
+    def norm_linear_silu_mul(self, h, norm, layer: torch.nn.Linear, sumsq=None) -> torch.Tensor:
         if self.fuses(h.shape[0]):
-            return self._gemv_linear(h, layer, norm_weight=norm.weight, eps=norm.eps, gated=True)
+            return self._gemv_linear(h, layer, gated=True, **self._norm_fusions(norm, sumsq))
         return super().norm_linear_silu_mul(h, norm, layer)
 
     def qkv_rotary_write_kv(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
-        slot_mapping, norm=None,
+        slot_mapping, norm=None, sumsq=None,
     ) -> torch.Tensor:  # fmt: skip
         rows = x.shape[0]
         if (
@@ -292,15 +338,15 @@ class TritonOps(_Compositions):
             and (norm is None or self.fuses(rows))
         ):  # fmt: skip
             rope = self._gemv.Rope(positions, cos_sin_cache, kv_cache, slot_mapping)
-            fusions = {} if norm is None else dict(norm_weight=norm.weight, eps=norm.eps)
+            fusions = {} if norm is None else self._norm_fusions(norm, sumsq)
             return self._gemv_linear(x, layer, rope=rope, **fusions).view(1, num_heads, -1)
         return super().qkv_rotary_write_kv(
-            x, layer, num_heads, positions, cos_sin_cache, kv_cache, slot_mapping, norm=norm
+            x, layer, num_heads, positions, cos_sin_cache, kv_cache, slot_mapping, norm, sumsq
         )
 
     def qkv_attention(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
-        meta: AttentionMetadata, scale: float, norm=None,
+        meta: AttentionMetadata, scale: float, norm=None, sumsq=None,
     ) -> torch.Tensor:  # fmt: skip
         """Small decode batches (early KV loads): rotary and the KV write inside the attention
         launch (`fuse_rope_attention`), one launch fewer a layer."""
@@ -311,9 +357,9 @@ class TritonOps(_Compositions):
             and rows <= self.attn_early_kv_rows
         ):  # fmt: skip
             return super().qkv_attention(
-                x, layer, num_heads, positions, cos_sin_cache, kv_cache, meta, scale, norm
+                x, layer, num_heads, positions, cos_sin_cache, kv_cache, meta, scale, norm, sumsq
             )
-        qkv = self.linear(x, layer) if norm is None else self.norm_linear(x, norm, layer)
+        qkv = self.linear(x, layer) if norm is None else self.norm_linear(x, norm, layer, sumsq)
         num_kv_heads, head_dim = kv_cache.shape[3:]
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
         rope = self._attn.DecodeRope(k, v, positions, cos_sin_cache, meta.slot_mapping)
