@@ -197,14 +197,16 @@ class TritonOps(_Compositions):
         # runs/2026-12-03h-gemv_ab.log)
         self.fuse_qkv_rope = False
         # batch 1: the norms and residual adds folded into the GEMVs, the SiLU-and-mul into
-        # gate_up's (`fuses`). NOTE: off: slower on the H200, W2 3.925 / 3.936 vs 3.839 / 3.839
-        # ms/token, graph 3.900 vs 3.822 ms, same run (runs/2026-12-03s-fused_norms.log): the
-        # norm's sum of squares and the residual's load-add-store lengthen every GEMV program
-        # after its wait by more than the norm launch they save
+        # gate_up's (`fuses`). NOTE: off: slower on the H200 every way tried. Graph at 384 keys,
+        # same run (runs/2026-12-03y-norm_sweep.log): 3.751 / 3.753 ms apart; 3.972 with every
+        # GEMV program summing its row's squares; 3.823 with the sums handed over (norm_sums);
+        # 3.784 with the norms' weights folded into the projections too (fold_norm_weights).
+        # W2 3.845 / 3.846 and 3.802 / 3.802 vs 3.771 / 3.769 ms/token. Real-weight parity of
+        # the decode logits 1.41e-2 and 1.55e-2 (9.34e-3 apart; runs/2026-12-03y-parity_*.log)
         self.fuse_decode = False
         # with fuse_decode: each residual write leaves the row's sum of squares for the norm
-        # folded into the next GEMV (NormSums), so no GEMV program sums the row itself.
-        # NOTE: not yet measured on the GPU
+        # folded into the next GEMV (NormSums), so no GEMV program sums the row itself (the
+        # figures above)
         self.norm_sums = True
         # batch 1: the SiLU-and-mul in the gate_up GEMV's epilogue (one launch, no gate_up write;
         # each program preloads its gate rows and their up rows). W2 3.969 vs 4.010 ms/token,
