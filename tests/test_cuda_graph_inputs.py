@@ -79,3 +79,27 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
         assert graphs.pick(fits, 2)[0] == "short" and graphs.pick(over, 2)[0] == "long"
         graphs.graphs[16] = ("long", None, None)  # above attn_early_kv_rows: no short graph
         assert graphs.pick(SimpleNamespace(seq_lens=np.array([3] * 16)), 16)[0] == "long"
+
+
+def test_short_context_graphs_fit_a_short_model(tiny_llama_dir):
+    """A model shorter than ops.attn_short_keys (max_model_len 48, the default 1,024 keys): its
+    short-context graphs serve up to 48 keys, the block tables' width, and the capture's
+    warm-up forward runs (at 1,024 it failed the attention's block-table check)."""
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=48,
+        max_num_seqs=2, attention_backend="triton",
+    )  # fmt: skip
+    runner = llm.engine.core.runner
+    assert runner.model.ops.short_context_keys(1) == 1024  # the default: on
+    graphs = CudaGraphRunner(
+        runner.config, runner.model, runner.kv_caches, runner.device, runner.prev_token_ids
+    )
+    assert graphs.short_keys(1) == 48 and graphs.short_keys(2) == 48
+    graphs.seq_lens.fill_(1)  # as capture() does
+    graphs.slot_mapping.fill_(-1)
+    graphs.pending_src.fill_(-1)
+    with pytest.raises(AssertionError, match="block table"):  # the unclamped bound
+        graphs._step(2, runner.model.ops.short_context_keys(2))
+    logits, greedy = graphs._step(2, graphs.short_keys(2))
+    assert logits.shape == (2, runner.model.config.vocab_size) and logits.isfinite().all()
+    assert torch.equal(greedy, logits.argmax(dim=-1))

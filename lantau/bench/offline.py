@@ -151,7 +151,7 @@ def batch1_graph(graphs, keys: int, block_size: int) -> torch.cuda.CUDAGraph:
         num_blocks, dtype=torch.int32, device=graphs.block_tables.device
     )
     graphs.slot_mapping[:1].fill_(-1)
-    short = keys <= graphs.model.ops.short_context_keys(1)
+    short = keys <= graphs.short_keys(1)
     return (graphs.short_graphs if short else graphs.graphs)[1][0]
 
 

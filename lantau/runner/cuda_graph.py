@@ -180,7 +180,7 @@ class CudaGraphRunner:
         self.pending_src.fill_(-1)
         pool = None
         for bs in reversed(self.batch_sizes):
-            short = self.model.ops.short_context_keys(bs)
+            short = self.short_keys(bs)
             for graphs, max_seq_len in ((self.graphs, None), (self.short_graphs, short)):
                 if max_seq_len == 0:
                     continue
@@ -197,10 +197,15 @@ class CudaGraphRunner:
             self.batch_sizes, sorted(self.short_graphs),
         )  # fmt: skip
 
+    def short_keys(self, bs: int) -> int:
+        """The context length up to which bucket bs has a short-context graph (0: none): the
+        ops' (short_context_keys), at most the model's length, which sizes the block tables."""
+        return min(self.model.ops.short_context_keys(bs), self.max_seq_len)
+
     def pick(self, inputs, bs: int) -> tuple[torch.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         """The bucket's graph for these inputs: its short-context one when every row fits."""
         short = bs in self.short_graphs
-        if short and int(inputs.seq_lens.max()) <= self.model.ops.short_context_keys(bs):
+        if short and int(inputs.seq_lens.max()) <= self.short_keys(bs):
             return self.short_graphs[bs]
         return self.graphs[bs]
 
