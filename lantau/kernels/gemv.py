@@ -114,7 +114,7 @@ def _gemv_kernel(
     y_ptr,  # [M, N]; the residual [1, N], updated in place, when RESIDUAL
     nw_ptr,  # [K] the RMSNorm weight when NORM and NORM_WEIGHT, else a dummy
     # sums of squares (fp64 [1] each, dummies unless SUMSQ_IN / SUMSQ_OUT): x's, read by NORM;
-    # the new residual's, added to; a slot zeroed (Sums, below)
+    # the new residual's, added to; a slot zeroed (lantau.model.ops.NormSums)
     ss_in_ptr,
     ss_out_ptr,
     ss_zero_ptr,
