@@ -38,6 +38,7 @@ import torch
 from lantau import LLM, SamplingParams
 from lantau.bench.offline import batch1_graph, graph_ms, measure_ceilings, replay_ms, run_lantau
 from lantau.bench.workloads import make_workload
+from lantau.model.llama import RMSNorm
 
 OUT = os.environ.get("OUT", ".")
 GEMVS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
@@ -151,8 +152,8 @@ def apply_knobs(core, knobs: dict) -> None:
         core.runner.graphs.capture()
 
 
-def norms(model) -> list:
-    return [m for m in model.modules() if type(m).__name__ == "RMSNorm"]
+def norms(model) -> list[RMSNorm]:
+    return [m for m in model.modules() if isinstance(m, RMSNorm)]
 
 
 def knob_default(core, key: str):
@@ -163,7 +164,7 @@ def knob_default(core, key: str):
     return getattr(core.runner.model.ops, key)
 
 
-def attention_sweep(llm, results: dict, sets=ATTN_SETS, arms=W2_ARMS) -> tuple[list[str], dict]:
+def knob_sweep(llm, results: dict, sets=ATTN_SETS, arms=W2_ARMS) -> tuple[list[str], dict]:
     """The sweep's table rows, and the fastest set of knobs (left set on the ops)."""
     core = llm.engine.core
     block_size = llm.config.cache.block_size
@@ -276,10 +277,10 @@ def main() -> None:
     table = long_contexts(results) if args.long else []
     if args.norm_sweep:
         model.fold_norm_weights()
-        table, best = attention_sweep(llm, results, NORM_SETS, NORM_ARMS)
+        table, best = knob_sweep(llm, results, NORM_SETS, NORM_ARMS)
         rows = []
     elif args.attn_sweep:  # first, so that the ablation below runs with the fastest knobs
-        table, best = attention_sweep(llm, results)
+        table, best = knob_sweep(llm, results)
         results["ablation_knobs"] = best  # left set by the sweep
         table.append(f"| ablation below with {best or 'the defaults'} | | |")
     if not args.norm_sweep:

@@ -176,11 +176,10 @@ class LlamaForCausalLM(nn.Module):
         pick: (pick_src, prev_ids), token i's id taken from prev_ids[pick_src[i]] where
         pick_src[i] >= 0 (Ops.embed)."""
         ctx.cos_sin_cache = self.cos_sin_cache
-        embedding = self.model.embed_tokens.weight
         self._final_sumsq = None
         if self.ops.fuses(input_ids.shape[0]):
             return self._forward_fused(input_ids, ctx, pick)
-        x = self.ops.embed(input_ids, embedding, *(pick or ()))
+        x = self.ops.embed(input_ids, self.model.embed_tokens.weight, *(pick or ()))
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx, self.ops)
