@@ -1,7 +1,7 @@
 """The CUDA graphs' forward pass, run on CPU without capture: what a replay computes from the
-staged buffers (two copies, padding rows, input tokens picked on the device from the previous
-step's samples) gives the eager step's logits, step after step of an overlapped run, and its
-greedy pick each row's argmax."""
+staged buffers (each turn's, padding rows, input tokens picked on the device from the previous
+step's samples in the other turn's ids buffer) gives the eager step's logits, step after step
+of an overlapped run, and its greedy pick each row's argmax."""
 
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
     ops = runner.model.ops
     ops.attn_short_config, ops.attn_short_keys = ((8, 4, 1) if short_keys else None), short_keys
     graphs = CudaGraphRunner(
-        runner.config, runner.model, runner.kv_caches, runner.device, runner.prev_token_ids
+        runner.config, runner.model, runner.kv_caches, runner.device, runner.token_ids
     )
     assert graphs.batch_sizes == [1, 2, 4, 8]
     graphs.greedy_in_graph = True  # the graph's greedy pick too (the default)
-    checked, classes = [], set()
+    checked, classes, turns = [], set(), []
     eager_forward = runner._forward_logits
 
     def both(inputs):
@@ -42,17 +42,21 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
         replayed = None
         if graphs.can_run(inputs):
             bs = graphs.bucket(inputs.num_reqs)
-            graphs.stage(inputs, bs)
-            before = runner.prev_token_ids.clone()
+            turn = 1 - runner._last  # the ids buffer this step writes, as launch() picks it
+            graphs.stage(inputs, bs, turn)
+            before = [ids.clone() for ids in runner.token_ids]
             # the graph run() would pick: the short-context one if every context fits
             short = int(inputs.seq_lens.max()) <= ops.short_context_keys(bs)
-            replayed, greedy = graphs._step(bs, ops.short_context_keys(bs) if short else None)
+            replayed, greedy = graphs._step(bs, ops.short_context_keys(bs) if short else None, turn)
             classes.add(short)
-            # the graph's greedy pick: each row's argmax, left in prev_token_ids for the next
-            # step (restored here: the eager pass below reads this step's inputs from it)
+            turns.append(turn)
+            # the graph's greedy pick: each row's argmax, left in its turn's ids buffer for the
+            # next step (restored here: the sampler writes it there after the eager pass), the
+            # other turn's buffer, which it read, untouched
             assert torch.equal(greedy, replayed.argmax(dim=-1))
-            assert torch.equal(runner.prev_token_ids[:bs], greedy)
-            runner.prev_token_ids.copy_(before)
+            assert torch.equal(runner.token_ids[turn][:bs], greedy)
+            assert torch.equal(runner.token_ids[1 - turn], before[1 - turn])
+            runner.token_ids[turn].copy_(before[turn])
             checked.append((inputs.num_reqs, bs, len(inputs.pending_rows)))
         # the eager pass recomputes the step: same KV slots, same values (padding writes none)
         logits = eager_forward(inputs)
@@ -70,15 +74,21 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
     # came from the device (overlapped scheduling), so the graph picked them itself
     assert {(3, 4), (2, 2), (1, 1)} <= {(n, bs) for n, bs, _ in checked}
     assert all(pending == n for n, _, pending in checked)
+    # consecutive decode steps alternate the turns (each writes the buffer the last one read)
+    assert all(a != b for a, b in zip(turns, turns[1:], strict=False)) and set(turns) == {0, 1}
     # without the short config every batch takes the long graphs; with it, both kinds ran
     assert classes == ({False, True} if short_keys else {False})
     if short_keys:  # run()'s choice of graph, on stand-ins (capture needs CUDA)
-        graphs.graphs[2], graphs.short_graphs[2] = ("long", None, None), ("short", None, None)
+        for turn, inp in enumerate(graphs.turns):
+            inp.graphs[2], inp.short_graphs[2] = ("long", turn, None), ("short", turn, None)
+            inp.graphs[16] = ("long", turn, None)  # above attn_early_kv_rows: no short graph
         fits = SimpleNamespace(seq_lens=np.array([short_keys, 3], dtype=np.int32))
         over = SimpleNamespace(seq_lens=np.array([short_keys + 1, 3], dtype=np.int32))
-        assert graphs.pick(fits, 2)[0] == "short" and graphs.pick(over, 2)[0] == "long"
-        graphs.graphs[16] = ("long", None, None)  # above attn_early_kv_rows: no short graph
-        assert graphs.pick(SimpleNamespace(seq_lens=np.array([3] * 16)), 16)[0] == "long"
+        for turn in (0, 1):
+            assert graphs.pick(fits, 2, turn)[:2] == ("short", turn)
+            assert graphs.pick(over, 2, turn)[:2] == ("long", turn)
+            sixteen = SimpleNamespace(seq_lens=np.array([3] * 16))
+            assert graphs.pick(sixteen, 16, turn)[:2] == ("long", turn)
 
 
 def test_short_context_graphs_fit_a_short_model(tiny_llama_dir):
@@ -92,7 +102,7 @@ def test_short_context_graphs_fit_a_short_model(tiny_llama_dir):
     runner = llm.engine.core.runner
     assert runner.model.ops.short_context_keys(1) == 1024  # the default: on
     graphs = CudaGraphRunner(
-        runner.config, runner.model, runner.kv_caches, runner.device, runner.prev_token_ids
+        runner.config, runner.model, runner.kv_caches, runner.device, runner.token_ids
     )
     assert graphs.short_keys(1) == 48 and graphs.short_keys(2) == 48
     graphs.seq_lens.fill_(1)  # as capture() does

@@ -54,7 +54,7 @@ def test_argmax_of_a_strided_view_and_bad_inputs():
 
 
 def test_argmax_into_out_view():
-    """Into a view of a longer buffer (the decode graph's prev_token_ids): only those rows."""
+    """Into a view of a longer buffer (a decode graph's ids buffer): only those rows."""
     logits = torch.randn(3, 700, generator=torch.Generator().manual_seed(2))
     buffer = torch.full((5,), -7, dtype=torch.int64)
     ids = am.argmax(logits, out=buffer[:3])

@@ -6,12 +6,19 @@ buffers that each step overwrites; padding rows write no KV (slot -1) and are di
 
 A step's inputs reach the device in one copy of one buffer, staged in pinned host memory,
 padding rows included: int64 input ids, positions, slots, and for each row whose input token
-the previous step sampled on the device, that token's row in the runner's `prev_token_ids`,
-else -1; then int32 sequence lengths and block tables. The graph's first kernel picks each
-row's input token from `prev_token_ids` or the host's ids as it embeds it. With
+the previous step sampled on the device, that token's row in the previous step's ids buffer
+(the runner's `token_ids`), else -1; then int32 sequence lengths and block tables. The graph's
+first kernel picks each row's input token from those ids or the host's as it embeds it. With
 `greedy_in_graph` (on, see there) the graph ends with the greedy pick of each row, written into
-`prev_token_ids`: for an all-greedy batch the sampler takes it, so between replays run only the
-copy of the ids to the host and the copy of the next step's inputs.
+its own ids buffer: for an all-greedy batch the sampler takes it.
+
+Turns. Everything a graph reads or writes between steps comes in two copies, one per turn:
+the input buffer, and the runner's ids buffers (turn t's graphs write `token_ids[t]` and read
+the pending tokens from `token_ids[1 - t]`); each sampling step writes the buffer the step
+before did not. So with `copy_streams` the copies leave the device's critical path: the next
+step's inputs go to the other turn's buffer on a copy stream while the current graph runs,
+and the sampled ids go to the host on the sampler's own stream while the next graph runs.
+Between two replays the stream then holds only event records and waits.
 
 A small bucket can have a second graph for batches whose contexts are all short
 (`ops.short_context_keys`): its attention is captured with another tiling, and each step
@@ -44,6 +51,34 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+class GraphInputs:
+    """One turn's input buffer (one copy a step): input ids, positions, slots, pending source
+    row (-1: the host's id) as int64 [4, n]; then int32 sequence lengths [n], then the block
+    table rows [n, max_blocks]; views of each, and the turn's graphs."""
+
+    def __init__(self, n: int, max_blocks: int, device: torch.device) -> None:
+        self.bytes64 = 8 * 4 * n
+        self.buffer = torch.zeros(
+            self.bytes64 + 4 * n * (1 + max_blocks), dtype=torch.uint8, device=device
+        )
+        ids64, ids32 = self.views(self.buffer)
+        ids64[3].fill_(-1)
+        self.input_ids, self.positions, self.slot_mapping, self.pending_src = ids64.unbind(0)
+        self.seq_lens = ids32[:n]
+        self.block_tables = ids32[n:].view(n, max_blocks)
+        # bucket -> (graph, its logits [bs, vocab], its greedy ids [bs] or None); the short ones
+        # serve batches whose contexts are all within model.ops.short_context_keys(bucket)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.short_graphs: dict[int, tuple] = {}
+        # the last replay that read the buffer (a copy into it waits for it)
+        self.released: torch.cuda.Event | None = None
+
+    def views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int64 [4, n] and int32 views of a buffer laid out as this one (or this one)."""
+        ids64 = buffer[: self.bytes64].view(torch.int64).view(4, -1)
+        return ids64, buffer[self.bytes64 :].view(torch.int32)
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -51,44 +86,40 @@ class CudaGraphRunner:
         model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],
         device: torch.device,
-        prev_token_ids: torch.Tensor,
+        token_ids: list[torch.Tensor],
     ) -> None:
-        """prev_token_ids: the runner's [max_num_seqs] int64 ids of the last sampling step."""
+        """token_ids: the runner's two [max_num_seqs] int64 buffers of sampled ids, one a
+        turn (see the module docstring)."""
         self.model = model
         self.kv_caches = kv_caches
         self.max_seq_len = config.scheduler.max_model_len
         self.batch_sizes = graph_batch_sizes(min(config.scheduler.max_num_seqs, MAX_GRAPH_BS))
         self.max_bs = self.batch_sizes[-1]
-        max_blocks = cdiv(self.max_seq_len, config.cache.block_size)
+        self.max_blocks = cdiv(self.max_seq_len, config.cache.block_size)
         n = self.max_bs
-
-        self.max_blocks = max_blocks
-        # the inputs, one buffer (one copy a step): input ids, positions, slots, pending source
-        # row (-1: the host's id) as int64 [4, n]; then int32 sequence lengths [n], then the
-        # block table rows [n, max_blocks]
-        self._bytes64 = 8 * 4 * n
-        self.buffer = torch.zeros(
-            self._bytes64 + 4 * n * (1 + max_blocks), dtype=torch.uint8, device=device
-        )
-        self.ids64, self.ids32 = self._views(self.buffer)
-        self.ids64[3].fill_(-1)
-        self.input_ids, self.positions, self.slot_mapping, self.pending_src = self.ids64.unbind(0)
-        self.seq_lens = self.ids32[:n]
-        self.block_tables = self.ids32[n:].view(n, max_blocks)
+        assert len(token_ids) == 2, "one ids buffer a turn"
+        self.token_ids = token_ids
+        self.turns = [GraphInputs(n, self.max_blocks, device) for _ in token_ids]
+        # turn 0's views and graphs under their plain names (what the benchmarks time)
+        first = self.turns[0]
+        self.buffer, self.graphs, self.short_graphs = first.buffer, first.graphs, first.short_graphs
+        self.input_ids, self.positions, self.slot_mapping = (
+            first.input_ids, first.positions, first.slot_mapping,
+        )  # fmt: skip
+        self.pending_src, self.seq_lens, self.block_tables = (
+            first.pending_src, first.seq_lens, first.block_tables,
+        )  # fmt: skip
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.prev_token_ids = prev_token_ids
-        # two pinned host copies of the buffer, used in turn: a step's staging never
-        # overwrites one whose copy the device has not done yet (its event)
+        # a pinned host copy of each turn's buffer, restaged only once the device has copied
+        # it (its event)
         pin = device.type == "cuda"
         self._host = [
-            torch.zeros(self.buffer.shape, dtype=torch.uint8, pin_memory=pin) for _ in range(2)
+            torch.zeros(self.buffer.shape, dtype=torch.uint8, pin_memory=pin) for _ in self.turns
         ]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
-        # bucket -> (graph, its logits [bs, vocab], its greedy ids [bs] or None); the short ones
-        # serve batches whose contexts are all within model.ops.short_context_keys(bucket)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
-        self.short_graphs: dict[int, tuple] = {}
+        self._copied: list[torch.cuda.Event | None] = [None] * len(self.turns)
+        # the stream that copies a step's inputs in, overlapping the graph before (None: the
+        # current stream, behind that graph); see the module docstring
+        self.copy_stream: torch.cuda.Stream | None = None
         # the greedy pick inside the graph (see the module docstring), through the argmax
         # kernel: W2 3.866 vs 3.911 / 3.913 ms/token, same run (runs/2026-12-03m-gemv_ab.log);
         # with the two-stage torch argmax it gained nothing (4.039 vs 4.042,
@@ -100,59 +131,55 @@ class CudaGraphRunner:
         # ops before it (five launches, ~10 us at batch 1)
         self.fused_pick = True
 
-    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int64 [4, n] and int32 views of an input buffer."""
-        ids64 = buffer[: self._bytes64].view(torch.int64).view(4, self.max_bs)
-        return ids64, buffer[self._bytes64 :].view(torch.int32)
-
     def can_run(self, inputs) -> bool:
         return inputs.max_query_len == 1 and inputs.num_reqs <= self.max_bs
 
-    def _forward(self, bs: int, max_seq_len: int) -> torch.Tensor:
+    def _forward(self, bs: int, max_seq_len: int, turn: int) -> torch.Tensor:
+        inp = self.turns[turn]
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
+            slot_mapping=inp.slot_mapping[:bs],
             query_start_loc=self.query_start_loc[: bs + 1],
-            seq_lens=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs],
+            seq_lens=inp.seq_lens[:bs],
+            block_tables=inp.block_tables[:bs],
             max_query_len=1,
             max_seq_len=max_seq_len,  # an upper bound: kernels read true lengths
             query_start_loc_cpu=[],
             seq_lens_cpu=[],
         )
-        ctx = ForwardContext(meta, self.kv_caches, self.positions[:bs])
-        src = self.pending_src[:bs]
+        ctx = ForwardContext(meta, self.kv_caches, inp.positions[:bs])
+        src, prev_ids = inp.pending_src[:bs], self.token_ids[1 - turn]
         if self.fused_pick:
-            hidden = self.model(self.input_ids[:bs], ctx, (src, self.prev_token_ids))
+            hidden = self.model(inp.input_ids[:bs], ctx, (src, prev_ids))
         else:
-            input_ids = torch.where(
-                src >= 0, self.prev_token_ids[src.clamp(min=0)], self.input_ids[:bs]
-            )
+            input_ids = torch.where(src >= 0, prev_ids[src.clamp(min=0)], inp.input_ids[:bs])
             hidden = self.model(input_ids, ctx)
         return self.model.compute_logits(hidden)  # [bs, vocab_size]
 
     def _step(
-        self, bs: int, max_seq_len: int | None = None
+        self, bs: int, max_seq_len: int | None = None, turn: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What a graph runs: the logits, and (greedy_in_graph) each row's argmax, also written
-        to prev_token_ids for the next step (a sampler that picks otherwise overwrites it).
-        max_seq_len: the bound on the rows' contexts the graph serves (default: the model's)."""
-        logits = self._forward(bs, max_seq_len or self.max_seq_len)
+        """What turn `turn`'s graph runs: the logits, and (greedy_in_graph) each row's argmax,
+        also written to token_ids[turn] for the next step (a sampler that picks otherwise
+        overwrites it). max_seq_len: the bound on the rows' contexts the graph serves (default:
+        the model's)."""
+        logits = self._forward(bs, max_seq_len or self.max_seq_len, turn)
         if not self.greedy_in_graph:
             return logits, None
-        # [bs], a view of prev_token_ids (the kernel writes it there: no copy node)
-        token_ids = greedy_pick(logits, self.argmax_kernel, out=self.prev_token_ids[:bs])
+        # [bs], a view of token_ids[turn] (the kernel writes it there: no copy node)
+        token_ids = greedy_pick(logits, self.argmax_kernel, out=self.token_ids[turn][:bs])
         return logits, token_ids
 
     def bucket(self, num_reqs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_reqs)]
 
-    def stage(self, inputs, bs: int) -> None:
-        """Write a decode step's inputs, padded to `bs` rows, into the graphs' buffer: one
-        copy from pinned memory, queued on the stream without waiting."""
-        turn, self._turn = self._turn, 1 - self._turn
+    def stage(self, inputs, bs: int, turn: int = 0) -> None:
+        """Write a decode step's inputs, padded to `bs` rows, into turn `turn`'s buffer: one
+        copy from pinned memory, queued without waiting (on copy_stream if set, after the
+        turn's last replay; the current stream waits for it)."""
+        inp = self.turns[turn]
         if self._copied[turn] is not None:
-            self._copied[turn].synchronize()  # two steps back: long done
-        host64, host32 = self._views(self._host[turn])
+            self._copied[turn].synchronize()  # the turn's last step: long done
+        host64, host32 = inp.views(self._host[turn])
         ids, n, n_max = host64.numpy(), inputs.num_reqs, self.max_bs
         ids[0, :n], ids[1, :n], ids[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
         ids[0:2, n:bs] = 0
@@ -166,31 +193,43 @@ class CudaGraphRunner:
         width = inputs.block_tables.shape[1]
         tables[:n, :width] = inputs.block_tables  # columns past width: never read
         tables[n:bs, 0] = 0
-        end = self._bytes64 + 4 * (n_max + bs * self.max_blocks)  # block rows past bs: unread
-        self.buffer[:end].copy_(self._host[turn][:end], non_blocking=True)
-        if self.buffer.device.type == "cuda":
-            self._copied[turn] = torch.cuda.Event()
-            self._copied[turn].record()
+        end = inp.bytes64 + 4 * (n_max + bs * self.max_blocks)  # block rows past bs: unread
+        if inp.buffer.device.type != "cuda":
+            inp.buffer[:end].copy_(self._host[turn][:end])
+            return
+        copied = self._copied[turn] = torch.cuda.Event()
+        if self.copy_stream is None:
+            inp.buffer[:end].copy_(self._host[turn][:end], non_blocking=True)
+            copied.record()
+            return
+        if inp.released is not None:
+            self.copy_stream.wait_event(inp.released)
+        with torch.cuda.stream(self.copy_stream):
+            inp.buffer[:end].copy_(self._host[turn][:end], non_blocking=True)
+            copied.record()
+        torch.cuda.current_stream().wait_event(copied)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest first, all sharing one memory pool (replays never overlap)."""
-        self.seq_lens.fill_(1)
-        self.slot_mapping.fill_(-1)
-        self.pending_src.fill_(-1)
+        """Each turn's, largest first, all sharing one memory pool (replays never overlap)."""
         pool = None
-        for bs in reversed(self.batch_sizes):
-            short = self.short_keys(bs)
-            for graphs, max_seq_len in ((self.graphs, None), (self.short_graphs, short)):
-                if max_seq_len == 0:
-                    continue
-                self._step(bs, max_seq_len)  # warm-up: compiles kernels, settles the allocator
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits, token_ids = self._step(bs, max_seq_len)
-                pool = graph.pool()
-                graphs[bs] = (graph, logits, token_ids)
+        for turn, inp in enumerate(self.turns):
+            inp.seq_lens.fill_(1)
+            inp.slot_mapping.fill_(-1)
+            inp.pending_src.fill_(-1)
+            for bs in reversed(self.batch_sizes):
+                short = self.short_keys(bs)
+                for graphs, max_seq_len in ((inp.graphs, None), (inp.short_graphs, short)):
+                    if max_seq_len == 0:
+                        continue
+                    # warm-up: compiles kernels, settles the allocator
+                    self._step(bs, max_seq_len, turn)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits, token_ids = self._step(bs, max_seq_len, turn)
+                    pool = graph.pool()
+                    graphs[bs] = (graph, logits, token_ids)
         torch.cuda.synchronize()
         logger.info(
             "captured CUDA graphs for batch sizes %s (and for short contexts: %s)",
@@ -202,18 +241,24 @@ class CudaGraphRunner:
         ops' (short_context_keys), at most the model's length, which sizes the block tables."""
         return min(self.model.ops.short_context_keys(bs), self.max_seq_len)
 
-    def pick(self, inputs, bs: int) -> tuple[torch.CUDAGraph, torch.Tensor, torch.Tensor | None]:
-        """The bucket's graph for these inputs: its short-context one when every row fits."""
-        short = bs in self.short_graphs
-        if short and int(inputs.seq_lens.max()) <= self.short_keys(bs):
-            return self.short_graphs[bs]
-        return self.graphs[bs]
+    def pick(
+        self, inputs, bs: int, turn: int = 0
+    ) -> tuple[torch.CUDAGraph, torch.Tensor, torch.Tensor | None]:
+        """The turn's graph of the bucket for these inputs: its short-context one when every
+        row fits."""
+        inp = self.turns[turn]
+        if bs in inp.short_graphs and int(inputs.seq_lens.max()) <= self.short_keys(bs):
+            return inp.short_graphs[bs]
+        return inp.graphs[bs]
 
-    def run(self, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, inputs, turn: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [bucket, vocab] and the greedy ids [bucket] (or None); the first
-        inputs.num_reqs rows are real."""
+        inputs.num_reqs rows are real. turn: the runner's ids buffer this step writes."""
         bs = self.bucket(inputs.num_reqs)
-        self.stage(inputs, bs)
-        graph, logits, token_ids = self.pick(inputs, bs)
+        self.stage(inputs, bs, turn)
+        graph, logits, token_ids = self.pick(inputs, bs, turn)
         graph.replay()
+        inp = self.turns[turn]
+        inp.released = torch.cuda.Event()
+        inp.released.record()
         return logits, token_ids

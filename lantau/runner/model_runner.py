@@ -10,6 +10,12 @@ A step is three calls, so the engine can overlap the host with the device:
     sample(step)   queue the sampling, with the rows' histories as of now
     collect(step)  wait for this step's token ids alone and append them
 `execute(out)` does all three.
+
+Sampled ids stay on the device in two buffers (`token_ids`), which sampling steps write in
+turn: a step reads its pending tokens from the buffer the step before wrote, and the copy of
+a step's ids to the host (on the sampler's copy stream) may still be reading its buffer while
+the next step runs. collect(N) waits for that copy before launch(N + 2), the next writer of
+the buffer, is called.
 """
 
 from __future__ import annotations
@@ -96,9 +102,10 @@ class LaunchedStep:
     sample_ids: list[str] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [num_sample, vocab_size]
     sampled: PendingSample | None = None  # once sample() has queued it
-    # [num_sample] each row's argmax, picked (and written to prev_token_ids) inside the CUDA
-    # graph; None after an eager forward
+    # [num_sample] each row's argmax, picked (and written to the step's ids buffer) inside the
+    # CUDA graph; None after an eager forward
     greedy_ids: torch.Tensor | None = None
+    ids_buffer: int = 0  # which of the runner's token_ids buffers the step's ids go to
 
 
 def kv_cache_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
@@ -124,13 +131,19 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed, device=device)
         # the last sampling step's rows and raw logits, kept by reference for parity checks
         self._last_sampled: tuple[list[str], torch.Tensor | None] = ([], None)
-        # the last queued sampling: request id -> row, and the token ids on the device (one
-        # persistent buffer, which the next step's inputs, CUDA graphs included, read)
+        # the last queued sampling: request id -> row, and the token ids on the device: two
+        # persistent buffers written in turn (see the module docstring), which the next step's
+        # inputs, CUDA graphs included, read; `_last` is the one the last sampling step wrote
         self._prev_rows: dict[str, int] = {}
-        self.prev_token_ids = torch.zeros(
-            config.scheduler.max_num_seqs, dtype=torch.int64, device=device
-        )
+        self.token_ids = [
+            torch.zeros(config.scheduler.max_num_seqs, dtype=torch.int64, device=device)
+            for _ in range(2)
+        ]
+        self._last = 1
         self.graphs = None  # CudaGraphRunner, once captured
+        # the copies between steps on their own streams, off the device's critical path: the
+        # graphs' inputs in, the sampled ids out (cuda_graph.py's docstring)
+        self.copy_streams = device.type == "cuda"
 
     @property
     def last_logits(self) -> dict[str, torch.Tensor]:
@@ -142,9 +155,19 @@ class ModelRunner:
         from lantau.runner.cuda_graph import CudaGraphRunner
 
         self.graphs = CudaGraphRunner(
-            self.config, self.model, self.kv_caches, self.device, self.prev_token_ids
+            self.config, self.model, self.kv_caches, self.device, self.token_ids
         )
+        self.use_copy_streams(self.copy_streams)
         self.graphs.capture()
+
+    def use_copy_streams(self, on: bool) -> None:
+        """Copy a graph step's inputs in, and every step's sampled ids out, on side streams
+        (on), or on the current stream, between the steps' kernels."""
+        self.copy_streams = on
+        cuda = on and self.device.type == "cuda"
+        self.sampler.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        if self.graphs is not None:
+            self.graphs.copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
     def _drop(self, request_id: str) -> None:
         state = self.states.pop(request_id, None)
@@ -228,7 +251,7 @@ class ModelRunner:
             return
         rows = to_device(inputs.pending_rows, self.device)
         src = to_device(inputs.pending_src, self.device)
-        input_ids.index_copy_(0, rows, self.prev_token_ids[src])
+        input_ids.index_copy_(0, rows, self.token_ids[self._last][src])
 
     def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, ForwardContext]:
         def tensor(a: np.ndarray) -> torch.Tensor:
@@ -270,15 +293,16 @@ class ModelRunner:
             return LaunchedStep()
         inputs = self._prepare_inputs(out)
         num_sample, greedy_ids = len(inputs.sample_ids), None
+        ids_buffer = 1 - self._last  # the buffer this step's sampled ids go to
         if self.graphs is not None and self.graphs.can_run(inputs):
-            logits, greedy_ids = self.graphs.run(inputs)
+            logits, greedy_ids = self.graphs.run(inputs, ids_buffer)
             logits = logits[:num_sample]
             greedy_ids = None if greedy_ids is None else greedy_ids[:num_sample]
         else:
             logits = self._forward_logits(inputs)
         if not inputs.sample_ids:
             return LaunchedStep()
-        return LaunchedStep(inputs.sample_ids, logits, greedy_ids=greedy_ids)
+        return LaunchedStep(inputs.sample_ids, logits, greedy_ids=greedy_ids, ids_buffer=ids_buffer)
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep) -> None:
@@ -304,8 +328,10 @@ class ModelRunner:
             )
         step.sampled = self.sampler.sample(step.logits, rows, greedy_ids=step.greedy_ids)
         self._prev_rows = {request_id: i for i, request_id in enumerate(step.sample_ids)}
+        assert step.ids_buffer == 1 - self._last, "sampled in launch order"
         if step.sampled.token_ids is not step.greedy_ids:  # else the graph wrote them there
-            self.prev_token_ids[: len(rows)].copy_(step.sampled.token_ids)
+            self.token_ids[step.ids_buffer][: len(rows)].copy_(step.sampled.token_ids)
+        self._last = step.ids_buffer
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for the step's token ids and append them to the requests' histories."""

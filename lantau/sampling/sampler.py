@@ -285,6 +285,10 @@ class Sampler:
         # of argmax_rows' five launches: W2 4.010 vs 4.042 ms/token, same run, greedy tokens
         # equal (runs/2026-12-03l-gemv_l2.log)
         self.argmax_kernel = True
+        # the stream that copies the chosen ids (and logprobs) to the host, once the current
+        # stream has computed them (None: the current stream, before whatever is queued next);
+        # see PendingSample
+        self.copy_stream: torch.cuda.Stream | None = None
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return greedy_pick(logits, self.argmax_kernel)
@@ -320,20 +324,22 @@ class Sampler:
             token_ids[s_idx] = self._sample(penalized[s_idx], [rows[i] for i in sampled])
         return self._pending(logits, rows, token_ids)
 
-    @staticmethod
-    def _pending(logits: torch.Tensor, rows: list[SamplingRow], token_ids) -> PendingSample:
+    def _pending(self, logits: torch.Tensor, rows: list[SamplingRow], token_ids) -> PendingSample:
         """The chosen ids (and the logprobs asked for) on their way to pinned host memory."""
         logprobs = logprob_tensors(logits, rows, token_ids)
-        pending = PendingSample(
-            token_ids=token_ids,
-            rows=rows,
-            host_token_ids=to_host(token_ids),
-            host_logprobs=None if logprobs is None else tuple(to_host(t) for t in logprobs),
-        )
-        if logits.device.type == "cuda":
-            pending.event = torch.cuda.Event()
-            pending.event.record()
-        return pending
+        if logits.device.type != "cuda":
+            return PendingSample(token_ids, rows, token_ids, logprobs)
+        tensors = (token_ids, *(logprobs or ()))
+        stream = self.copy_stream or torch.cuda.current_stream()
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
+            for t in tensors:  # the caching allocator's: not reused before the copy
+                t.record_stream(self.copy_stream)
+        with torch.cuda.stream(stream):
+            host = [to_host(t) for t in tensors]
+            event = torch.cuda.Event()
+            event.record()
+        return PendingSample(token_ids, rows, host[0], tuple(host[1:]) if logprobs else None, event)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, filters, then the exponential race; logits: [num_sampled, vocab_size]."""
