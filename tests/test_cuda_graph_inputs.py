@@ -91,25 +91,39 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
             assert graphs.pick(sixteen, 16, turn)[:2] == ("long", turn)
 
 
-def test_short_context_graphs_fit_a_short_model(tiny_llama_dir):
-    """A model shorter than ops.attn_short_keys (max_model_len 48, the default 1,024 keys): its
-    short-context graphs serve up to 48 keys, the block tables' width, and the capture's
-    warm-up forward runs (at 1,024 it failed the attention's block-table check)."""
+def test_a_short_model_captures_one_graph_a_bucket(tiny_llama_dir, monkeypatch):
+    """A model shorter than ops.attn_short_keys (max_model_len 48, the default 1,024 keys) gets
+    no second, short-context graphs: its one graph a bucket, bounded by the model's length,
+    takes the short config itself (a graph bounded by 1,024 keys failed the attention's
+    block-table check here, and one bounded by 48 would have been the same graph twice)."""
     llm = LLM(
         str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=48,
         max_num_seqs=2, attention_backend="triton",
     )  # fmt: skip
     runner = llm.engine.core.runner
-    assert runner.model.ops.short_context_keys(1) == 1024  # the default: on
+    ops = runner.model.ops
+    assert ops.short_context_keys(1) == 1024  # the default: on
     graphs = CudaGraphRunner(
         runner.config, runner.model, runner.kv_caches, runner.device, runner.token_ids
     )
-    assert graphs.short_keys(1) == 48 and graphs.short_keys(2) == 48
-    graphs.seq_lens.fill_(1)  # as capture() does
-    graphs.slot_mapping.fill_(-1)
-    graphs.pending_src.fill_(-1)
-    with pytest.raises(AssertionError, match="block table"):  # the unclamped bound
-        graphs._step(2, runner.model.ops.short_context_keys(2))
-    logits, greedy = graphs._step(2, graphs.short_keys(2))
+    assert graphs.short_keys(1) == 0 and graphs.short_keys(2) == 0
+    configs = []
+
+    class Spy:  # the attention module, recording each decode launch's tiling
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def paged_decode_attention(self, *args, **kwargs):
+            configs.append(kwargs["config"])
+            return real.paged_decode_attention(*args, **kwargs)
+
+    real = ops._attn
+    monkeypatch.setattr(ops, "_attn", Spy())
+    for inp in graphs.turns:  # as capture() does
+        inp.seq_lens.fill_(1)
+        inp.slot_mapping.fill_(-1)
+        inp.pending_src.fill_(-1)
+    logits, greedy = graphs._step(2, None, turn=1)  # what the bucket's graph runs
     assert logits.shape == (2, runner.model.config.vocab_size) and logits.isfinite().all()
     assert torch.equal(greedy, logits.argmax(dim=-1))
+    assert configs and set(configs) == {ops.attn_short_config}

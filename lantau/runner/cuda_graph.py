@@ -22,7 +22,8 @@ Between two replays the stream then holds only event records and waits.
 
 A small bucket can have a second graph for batches whose contexts are all short
 (`ops.short_context_keys`): its attention is captured with another tiling, and each step
-replays the one its longest context allows.
+replays the one its longest context allows. A model no longer than that has one graph a
+bucket, which takes the short tiling itself.
 """
 
 from __future__ import annotations
@@ -238,8 +239,10 @@ class CudaGraphRunner:
 
     def short_keys(self, bs: int) -> int:
         """The context length up to which bucket bs has a short-context graph (0: none): the
-        ops' (short_context_keys), at most the model's length, which sizes the block tables."""
-        return min(self.model.ops.short_context_keys(bs), self.max_seq_len)
+        ops' (short_context_keys), if below the model's length. At or above it, the bucket's
+        one graph, bounded by the model's length, takes the short config itself."""
+        keys = self.model.ops.short_context_keys(bs)
+        return keys if keys < self.max_seq_len else 0
 
     def pick(
         self, inputs, bs: int, turn: int = 0
