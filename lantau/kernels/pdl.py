@@ -10,8 +10,9 @@ The contract every kernel taking `USE_PDL` keeps, in every program, on every pat
 1. before `pdl_wait` it loads only tensors no kernel writes (weights, the rotary cos/sin
    cache) and stores nothing; the exceptions, decode attention's `early_kv` and the fused
    rotary + KV write, load cache slots and step inputs (positions, slots, sequence lengths,
-   block tables) that no kernel of the running step writes, the step having begun with the
-   host-to-device copies of those inputs (which wait for every earlier kernel);
+   block tables) that no kernel of the running step writes, the step's first kernel waiting
+   for the host-to-device copy of those inputs (in stream order, or through an event when
+   the copy runs on a copy stream: cuda_graph.py) and for every earlier kernel;
 2. it calls `pdl_wait` before anything else but those loads, early returns included.
 Then each kernel starts only after all earlier ones have finished (by induction), so buffers
 the caching allocator hands out again are never written early.
