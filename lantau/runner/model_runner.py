@@ -142,8 +142,9 @@ class ModelRunner:
         self._last = 1
         self.graphs = None  # CudaGraphRunner, once captured
         # the copies between steps on their own streams, off the device's critical path: the
-        # graphs' inputs in, the sampled ids out (cuda_graph.py's docstring)
-        self.copy_streams = device.type == "cuda"
+        # graphs' inputs in, the sampled ids out (cuda_graph.py's docstring). W2 3.799 / 3.799
+        # vs 3.815 / 3.814 ms/token, same run (runs/2026-12-03zd-gpu_copy_streams.log)
+        self.use_copy_streams(device.type == "cuda")
 
     @property
     def last_logits(self) -> dict[str, torch.Tensor]:
