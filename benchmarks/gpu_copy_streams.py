@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu_w3_host import device_timeline
 from lantau import LLM, SamplingParams
-from lantau.bench.offline import measure_ceilings, run_lantau
+from lantau.bench.offline import greedy_agreement, measure_ceilings, run_lantau
 from lantau.bench.workloads import make_workload
 
 OUT = os.environ.get("OUT", ".")
@@ -95,11 +95,8 @@ def main() -> None:
     reference = None
     for on in (True, False, True, False) if "w2" not in skip else ():
         runner.use_copy_streams(on)
-        tokens = outputs(llm, w2.prompts[:1], check)[0][0]
+        tokens, same = greedy_agreement(llm, w2.prompts[0], reference)
         reference = reference or tokens
-        same = next(
-            (i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), 32
-        )
         stats = run_lantau(llm, w2).summary()
         res.setdefault("w2", []).append({"copy_streams": on, "greedy_same": same, **stats})
         table.append(

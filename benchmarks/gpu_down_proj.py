@@ -26,8 +26,14 @@ import os
 
 import torch
 
-from lantau import LLM, SamplingParams
-from lantau.bench.offline import batch1_graph, measure_ceilings, replay_ms, run_lantau
+from lantau import LLM
+from lantau.bench.offline import (
+    batch1_graph,
+    greedy_agreement,
+    measure_ceilings,
+    replay_ms,
+    run_lantau,
+)
 from lantau.bench.workloads import make_workload
 from lantau.kernels.gemv import default_config, gemv, gemv_ref
 
@@ -83,16 +89,11 @@ def main() -> None:
         print(table[-1], flush=True)
     best = min(timed, key=lambda t: t[0])[1]
     w2 = make_workload("W2", 128256)
-    check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
     reference = None
     for arm in [ARMS[0], best] * 2:
         set_arm(arm)
-        llm.reset_prefix_cache()
-        tokens = llm.generate({"prompt_token_ids": w2.prompts[0]}, check)[0].outputs[0].token_ids
+        tokens, same = greedy_agreement(llm, w2.prompts[0], reference)
         reference = reference or tokens
-        same = next(
-            (i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), 32
-        )
         stats = run_lantau(llm, w2).summary()
         res.setdefault("w2", []).append({"arm": label(arm), "same": same, **stats})
         table.append(

@@ -35,8 +35,15 @@ import os
 
 import torch
 
-from lantau import LLM, SamplingParams
-from lantau.bench.offline import batch1_graph, graph_ms, measure_ceilings, replay_ms, run_lantau
+from lantau import LLM
+from lantau.bench.offline import (
+    batch1_graph,
+    graph_ms,
+    greedy_agreement,
+    measure_ceilings,
+    replay_ms,
+    run_lantau,
+)
 from lantau.bench.workloads import make_workload
 from lantau.model.llama import RMSNorm
 
@@ -181,18 +188,13 @@ def knob_sweep(llm, results: dict, sets=ATTN_SETS, arms=W2_ARMS) -> tuple[list[s
         print(table[-1], flush=True)
     best = min(timed, key=lambda t: t[0])[1]
     w2 = make_workload("W2", 128256)
-    check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
     reference = None
     arms = arms + ([] if best in arms else [best])
     defaults.update({key: knob_default(core, key) for arm in arms for key in arm})
     for knobs in arms * 2:
         apply_knobs(core, {**defaults, **knobs})
-        llm.reset_prefix_cache()
-        tokens = llm.generate({"prompt_token_ids": w2.prompts[0]}, check)[0].outputs[0].token_ids
+        tokens, same = greedy_agreement(llm, w2.prompts[0], reference)
         reference = reference or tokens
-        same = next(
-            (i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), 32
-        )
         stats = run_lantau(llm, w2).summary()
         label = ", ".join(f"{k}={v}" for k, v in knobs.items() if defaults[k] != v) or "default"
         results.setdefault("attn_w2", []).append({"knobs": label, **stats})

@@ -50,3 +50,19 @@ def test_engine_sizes_per_workload():
     assert engine_sizes("W3-2048", None, 8192) == (384, 8192)
     assert engine_sizes("W2", None, None) == (256, None)
     assert engine_sizes("in:24/out:6", 8, 64) == (8, 64)
+
+
+def test_greedy_agreement_counts_the_leading_tokens_that_agree(tiny_llama_dir):
+    """The same-run arms' check: the greedy tokens of one prompt, and how many lead as in the
+    reference (all of them against themselves, up to the first change otherwise)."""
+    from lantau import LLM
+    from lantau.bench.offline import greedy_agreement
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+    prompt = [5, 17, 42, 99, 3]
+    tokens, same = greedy_agreement(llm, prompt, None, n=8)
+    assert len(tokens) == 8 and same == 8
+    again, same = greedy_agreement(llm, prompt, tokens, n=8)
+    assert again == tokens and same == 8
+    changed = tokens[:3] + [(t + 1) % 512 for t in tokens[3:]]
+    assert greedy_agreement(llm, prompt, changed, n=8)[1] == 3

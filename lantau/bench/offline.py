@@ -165,6 +165,18 @@ def graph_ms(fn, iters: int = 20) -> float:
     return replay_ms(graph, iters)
 
 
+def greedy_agreement(llm, prompt_token_ids: list[int], reference: list[int] | None, n: int = 32):
+    """The first n greedy tokens of one prompt from a cold prefix cache, and how many of them
+    lead as in `reference` (n if it is None): the check between same-run arms of a knob."""
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+    llm.reset_prefix_cache()
+    out = llm.generate({"prompt_token_ids": prompt_token_ids}, params)
+    tokens = out[0].outputs[0].token_ids
+    reference = reference or tokens
+    same = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), n)
+    return tokens, same
+
+
 def run_lantau(llm, workload: Workload, on_start=None) -> RunStats:
     """All requests at once; per-request TTFT and end-to-end from the run's start.
 
