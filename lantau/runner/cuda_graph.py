@@ -107,9 +107,7 @@ class CudaGraphRunner:
         self.input_ids, self.positions, self.slot_mapping = (
             first.input_ids, first.positions, first.slot_mapping,
         )  # fmt: skip
-        self.pending_src, self.seq_lens, self.block_tables = (
-            first.pending_src, first.seq_lens, first.block_tables,
-        )  # fmt: skip
+        self.seq_lens, self.block_tables = first.seq_lens, first.block_tables
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         # a pinned host copy of each turn's buffer, restaged only once the device has copied
         # it (its event)

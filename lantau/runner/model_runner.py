@@ -105,7 +105,6 @@ class LaunchedStep:
     # [num_sample] each row's argmax, picked (and written to the step's ids buffer) inside the
     # CUDA graph; None after an eager forward
     greedy_ids: torch.Tensor | None = None
-    ids_buffer: int = 0  # which of the runner's token_ids buffers the step's ids go to
 
 
 def kv_cache_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
@@ -294,16 +293,16 @@ class ModelRunner:
             return LaunchedStep()
         inputs = self._prepare_inputs(out)
         num_sample, greedy_ids = len(inputs.sample_ids), None
-        ids_buffer = 1 - self._last  # the buffer this step's sampled ids go to
         if self.graphs is not None and self.graphs.can_run(inputs):
-            logits, greedy_ids = self.graphs.run(inputs, ids_buffer)
+            # the turn: the ids buffer this step writes, the one the last sampling step did not
+            logits, greedy_ids = self.graphs.run(inputs, 1 - self._last)
             logits = logits[:num_sample]
             greedy_ids = None if greedy_ids is None else greedy_ids[:num_sample]
         else:
             logits = self._forward_logits(inputs)
         if not inputs.sample_ids:
             return LaunchedStep()
-        return LaunchedStep(inputs.sample_ids, logits, greedy_ids=greedy_ids, ids_buffer=ids_buffer)
+        return LaunchedStep(inputs.sample_ids, logits, greedy_ids=greedy_ids)
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep) -> None:
@@ -329,10 +328,10 @@ class ModelRunner:
             )
         step.sampled = self.sampler.sample(step.logits, rows, greedy_ids=step.greedy_ids)
         self._prev_rows = {request_id: i for i, request_id in enumerate(step.sample_ids)}
-        assert step.ids_buffer == 1 - self._last, "sampled in launch order"
+        # the buffer launch() gave the step (no sampling step comes between the two calls)
+        self._last = 1 - self._last
         if step.sampled.token_ids is not step.greedy_ids:  # else the graph wrote them there
-            self.token_ids[step.ids_buffer][: len(rows)].copy_(step.sampled.token_ids)
-        self._last = step.ids_buffer
+            self.token_ids[self._last][: len(rows)].copy_(step.sampled.token_ids)
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for the step's token ids and append them to the requests' histories."""
