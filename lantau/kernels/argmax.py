@@ -15,10 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from lantau.kernels import pdl
+from lantau.kernels.pdl import pdl_wait
+
 BLOCK = 4096  # logits a program reads
 _MAX_ROWS = 4096
 _scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _EMPTY = -(2**63)  # a slot's value between launches: below every packed key
+# launched with PDL where supported (off: for same-run comparisons)
+use_pdl = True
 
 
 @triton.jit
@@ -31,7 +36,9 @@ def _argmax_kernel(
     stride_row,
     num_chunks,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # the logits are the kernel before's
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -86,7 +93,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     num_chunks = triton.cdiv(vocab_size, BLOCK)
     _argmax_kernel[(num_rows, num_chunks)](
         logits, out, best, count, vocab_size, logits.stride(0), num_chunks, BLOCK=BLOCK,
-        num_warps=8,
+        num_warps=8, **pdl.launch_options(logits.device if use_pdl else torch.device("cpu")),
     )  # fmt: skip
     return out
 

@@ -164,26 +164,48 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(device), max_positions)
         self._norm_sums: NormSums | None = None  # the fused path's, made on first use
         self._final_sumsq: torch.Tensor | None = None  # set by a fused forward, for its logits
+        # decode_logits: the last residual add and the final norm in one op (off: for same-run
+        # comparisons)
+        self.fuse_final_norm = True
 
     def forward(
         self,
         input_ids: torch.Tensor,
         ctx: ForwardContext,
         pick: tuple[torch.Tensor, torch.Tensor] | None = None,
+        final_norm: bool = False,
     ) -> torch.Tensor:
         """input_ids: [num_tokens] -> the residual stream after the last layer, [num_tokens,
         hidden_size] (the final norm is compute_logits', on the rows that need logits).
         pick: (pick_src, prev_ids), token i's id taken from prev_ids[pick_src[i]] where
-        pick_src[i] >= 0 (Ops.embed)."""
+        pick_src[i] >= 0 (Ops.embed). final_norm (not on the fused path): the final norm's
+        output instead, the last residual add and the norm one op (decode_logits)."""
         ctx.cos_sin_cache = self.cos_sin_cache
         self._final_sumsq = None
         if self.ops.fuses(input_ids.shape[0]):
+            assert not final_norm, "the fused path folds the final norm into lm_head"
             return self._forward_fused(input_ids, ctx, pick)
         x = self.ops.embed(input_ids, self.model.embed_tokens.weight, *(pick or ()))
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx, self.ops)
+        if final_norm:
+            norm = self.model.norm
+            return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
         return x + residual
+
+    def decode_logits(
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        pick: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """forward, then compute_logits of every row (a decode step): [num_tokens,
+        vocab_size], the last residual add and the final norm in one op (one launch fewer, and
+        no torch add between the PDL launches around it)."""
+        if self.ops.fuses(input_ids.shape[0]) or not self.fuse_final_norm:
+            return self.compute_logits(self(input_ids, ctx, pick))
+        return self.ops.linear(self(input_ids, ctx, pick, final_norm=True), self.lm_head)
 
     def _forward_fused(self, input_ids, ctx: ForwardContext, pick) -> torch.Tensor:
         """forward's single-row path (`ops.fuses`): the layers' forward_fused on the residual

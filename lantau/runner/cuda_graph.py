@@ -148,11 +148,9 @@ class CudaGraphRunner:
         ctx = ForwardContext(meta, self.kv_caches, inp.positions[:bs])
         src, prev_ids = inp.pending_src[:bs], self.token_ids[1 - turn]
         if self.fused_pick:
-            hidden = self.model(inp.input_ids[:bs], ctx, (src, prev_ids))
-        else:
-            input_ids = torch.where(src >= 0, prev_ids[src.clamp(min=0)], inp.input_ids[:bs])
-            hidden = self.model(input_ids, ctx)
-        return self.model.compute_logits(hidden)  # [bs, vocab_size]
+            return self.model.decode_logits(inp.input_ids[:bs], ctx, (src, prev_ids))
+        input_ids = torch.where(src >= 0, prev_ids[src.clamp(min=0)], inp.input_ids[:bs])
+        return self.model.decode_logits(input_ids, ctx)  # [bs, vocab_size]
 
     def _step(
         self, bs: int, max_seq_len: int | None = None, turn: int = 0

@@ -1,0 +1,77 @@
+"""The batch-1 decode graph's tail on the lent GPU: the last residual add fused with the final
+norm (LlamaForCausalLM.decode_logits; before, a torch add launched without PDL, then the norm),
+and the greedy argmax launched with PDL.
+
+1. The engine's batch-1 decode graph at 384 keys, recaptured per arm: min of 3 x 50 replays;
+   each arm's first 32 greedy tokens of W2's first prompt against the first arm's.
+2. W2, the old tail against the new, alternated twice.
+
+Run zi (runs/2026-12-03zi-l2_prefetch.log) also had arms in which the latency-bound kernels
+asked L2 for the next projection's weight before their PDL wait (cp.async.bulk.prefetch.L2,
+inline PTX): decode attention for the o projection's first 8 / 16 / 24 / 32 MB took the graph
+from 3.796 ms to 3.857 / 3.868 / 3.867 / 3.884 (3.862 with the prefetch after the first KV
+tile), and each residual add + norm for 4 MB of the next weight to 4.33 (8 MB: 4.97); tokens
+were equal. The one-program norm kernel grew by ~8 us a launch for 4 MB, as if a program did
+not retire before its bulk prefetches were served (one SM's rate, ~0.5 TB/s). So that patch
+was not kept.
+
+    PYTHONPATH=. python3 benchmarks/gpu_decode_tail.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from lantau import LLM
+from lantau.bench.offline import batch1_graph, greedy_agreement, replay_ms, run_lantau
+from lantau.bench.workloads import make_workload
+from lantau.kernels import argmax
+
+OUT = os.environ.get("OUT", ".")
+# (label, the new tail: fused final norm and PDL argmax)
+ARMS = [("old tail", False), ("new tail", True)] * 2
+
+
+def main() -> None:
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    res: dict = {"card": torch.cuda.get_device_name()}
+    table: list[str] = []
+    llm = LLM("random:llama3-8b", max_model_len=1152, max_num_seqs=8)
+    core = llm.engine.core
+    block_size = llm.config.cache.block_size
+    w2 = make_workload("W2", 128256)
+
+    def set_arm(arm) -> None:
+        core.runner.model.fuse_final_norm = argmax.use_pdl = arm[1]
+        core.runner.capture_cuda_graphs()
+
+    reference = None
+    for arm in ARMS:
+        set_arm(arm)
+        tokens, same = greedy_agreement(llm, w2.prompts[0], reference)
+        reference = reference or tokens
+        graph = batch1_graph(core.runner.graphs, 384, block_size)
+        ms = min(replay_ms(graph, 50) for _ in range(3))
+        res.setdefault("graph", []).append({"arm": arm[0], "graph_ms": ms, "same": same})
+        table.append(f"| decode graph bs1, 384 keys, {arm[0]} | {ms:.4f} ms | {same}/32 tokens |")
+        print(table[-1], flush=True)
+    for arm in ARMS:
+        set_arm(arm)
+        stats = run_lantau(llm, w2).summary()
+        res.setdefault("w2", []).append({"arm": arm[0], **stats})
+        table.append(
+            f"| W2, {arm[0]} | {stats['ms_per_token']:.3f} ms/token | GPU util "
+            f"{stats['gpu_util_pct']}% |"
+        )
+        print(table[-1], flush=True)
+    with open(os.path.join(OUT, "gpu_decode_tail.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print("\n| what | figure | comparison |")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
