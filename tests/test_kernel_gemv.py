@@ -275,3 +275,45 @@ def test_gemv_rope_epilogue_matches_the_unfused_path(
     assert torch.equal(cache, cache0)  # a padding row's slot: nothing stored
     with pytest.raises(AssertionError, match="rope"):
         gemv(x, w[: -head_dim // 2], rope=Rope(positions, cos_sin, cache, slot))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (34, 1000)])
+@pytest.mark.parametrize("preload", [False, True])
+def test_gemv_add_norm_tail_matches_the_unfused_ops(dtype, n, k, preload):
+    """add_norm: the launch's last program adds the product to the residual and normalises
+    the sum, as the product then fused_add_rms_norm do (bitwise at fp32 up to the sum of
+    squares' order); the counter is left at 0, so a second launch (a CUDA graph's replay)
+    does the same."""
+    from lantau.kernels.gemv import _counter
+    from lantau.kernels.rms_norm import fused_add_rms_norm
+
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    norm_weight = torch.rand(n, generator=gen).to(dtype) + 0.5
+    residual0 = torch.randn(1, n, generator=gen).to(dtype)
+    for config in [(8, 64, 4, 2), (4, 512, 2, 1)]:  # 5 or 10 programs
+        ref, ref_residual = gemv(x, w, config=config, preload=preload), residual0.clone()
+        fused_add_rms_norm(ref, ref_residual, norm_weight, 1e-5)
+        for _ in range(2):
+            residual = residual0.clone()
+            out = gemv(
+                x, w, config=config, preload=preload, add_norm=(residual, norm_weight, 1e-5)
+            )
+            assert torch.equal(residual, ref_residual)  # the rounded sum, as the unfused add
+            torch.testing.assert_close(out, ref, rtol=TOLERANCES[dtype] / 10, atol=1e-5)
+            assert _counter(x.device).item() == 0
+
+
+def test_gemv_add_norm_rejects_bad_inputs():
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    residual, weight = torch.randn(1, 32), torch.ones(32)
+    with pytest.raises(AssertionError, match="batch 1"):
+        gemv(torch.randn(2, 64), w, add_norm=(residual, weight, 1e-5))
+    with pytest.raises(AssertionError, match="batch 1"):
+        gemv(x, w, residual=torch.randn(1, 32), add_norm=(residual, weight, 1e-5))
+    with pytest.raises(AssertionError, match="residual"):
+        gemv(x, w, add_norm=(torch.randn(1, 31), weight, 1e-5))
+    with pytest.raises(AssertionError, match="norm weight"):
+        gemv(x, w, add_norm=(residual, torch.ones(31), 1e-5))
