@@ -262,33 +262,3 @@ def test_norm_sums_left_clean(tiny_llama_dir):
     with torch.inference_mode(), pytest.raises(AttributeError):  # a context without positions
         model(torch.tensor([7]), SimpleNamespace())
     assert not sums.any()
-
-
-@pytest.mark.parametrize("preload", [False, True])
-def test_triton_backend_add_norm_in_the_gemv_launches(tiny_llama_dir, monkeypatch, preload):
-    """fuse_add_norm: at batch 1, the residual add and norm after the o and down projections
-    (the next layer's input norm; the last layer's down_proj leaves its sum to forward) run in
-    the GEMV launch; tokens and logits as the torch backend's, batch 1 and 3."""
-    from lantau.kernels import gemv
-
-    sites = []
-    original = gemv.gemv
-
-    def counting(x, weight, *args, **kwargs):
-        if kwargs.get("add_norm") is not None:
-            sites.append(tuple(weight.shape))
-        return original(x, weight, *args, **kwargs)
-
-    monkeypatch.setattr(gemv, "gemv", counting)
-
-    def configure(model):  # the torch ops ignore these
-        model.ops.fuse_add_norm, model.ops.gemv_preload = frozenset({"o", "down"}), preload
-        configure.config = model.config
-
-    results = _small_batches_both_backends(tiny_llama_dir, configure, seed=8)
-    c = configure.config
-    o, down = (c.hidden_size, c.q_size), (c.hidden_size, c.intermediate_size)
-    # every batch-1 step: each layer's o, every layer's down but the last
-    assert sites.count(o) == c.num_hidden_layers * sites.count(down) / (c.num_hidden_layers - 1)
-    assert set(sites) == {o, down} and sites.count(o) >= 7 * c.num_hidden_layers
-    _assert_same_tokens_and_logits(results)

@@ -17,7 +17,6 @@ import triton.language as tl
 
 from lantau.kernels import pdl
 from lantau.kernels.pdl import pdl_wait
-from lantau.kernels.rms_norm import _normalize_row
 
 # rows of x this kernel serves. Batch 1 takes a 2-D accumulator (no per-chunk reduction);
 # 2 to 8 rows one tensor-core product per weight tile. NOTE: the model (ops.gemv_max_m) uses it
@@ -108,24 +107,6 @@ def _add_sumsq(h, mask, ss_out_ptr, ss_zero_ptr, pid):
 
 
 @triton.jit
-def _add_norm_tail(y_ptr, res_ptr, w_ptr, counter_ptr, N, eps, BLOCK_ROW: tl.constexpr):
-    """The launch's last program to finish (an atomic count, left at 0 again) adds y, whole, to
-    the residual and normalises the sum into y, as fused_add_rms_norm would after the launch."""
-    tl.debug_barrier()  # every thread's slice of y stored before the count (release)
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
-        offs = tl.arange(0, BLOCK_ROW)
-        mask = offs < N
-        # other programs' slices: from L2 (.cg), never a stale L1 line
-        x = tl.load(y_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        residual = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        total = (x + residual).to(res_ptr.dtype.element_ty)
-        tl.store(res_ptr + offs, total, mask=mask)
-        weight = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs, _normalize_row(total.to(tl.float32), weight, y_ptr, N, eps), mask)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K] ([1, 2K] when SILU)
     w_ptr,  # [N, K] row-major (nn.Linear's weight)
@@ -170,14 +151,6 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32: exact, not TF32
     USE_PDL: tl.constexpr,
     PRELOAD: tl.constexpr = False,  # batch 1, BLOCK_K >= K: see gemv's `preload`
-    # ADD_NORM (batch 1, plain product): then residual += y and y = rmsnorm(residual) (weight,
-    # eps), by the launch's last program (_add_norm_tail; counter int32 [1], 0 between launches)
-    an_res_ptr=None,
-    an_weight_ptr=None,
-    an_counter_ptr=None,
-    an_eps=0.0,
-    ADD_NORM: tl.constexpr = False,
-    BLOCK_ROW: tl.constexpr = 1,  # N's next power of 2, for ADD_NORM
 ):
     pid = tl.program_id(0)
     HALF: tl.constexpr = BLOCK_N // 2
@@ -254,10 +227,6 @@ def _gemv_kernel(
                 if SUMSQ_OUT:
                     _add_sumsq(y, n_mask, ss_out_ptr, ss_zero_ptr, pid)
             tl.store(y_ptr + offs_n, y, mask=n_mask)
-            if ADD_NORM:
-                _add_norm_tail(
-                    y_ptr, an_res_ptr, an_weight_ptr, an_counter_ptr, N, an_eps, BLOCK_ROW
-                )
     else:
         pdl_wait(USE_PDL)
         # several rows: one [M_PAD, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per chunk,
@@ -350,7 +319,6 @@ def gemv(
     norm: bool = False,
     sumsq: torch.Tensor | None = None,
     sumsq_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for 1 to GEMV_MAX_M rows of x; fp32 accumulation.
 
@@ -373,11 +341,7 @@ def gemv(
       [1, d] (the SiLU-and-mul after the product, each program owning matching gate and up rows);
     - `rope`: weight is qkv_proj ([q; k; v] heads), and the product's q and k are rotated
       (rotate-half) at the token's position, k and v stored to the token's cache slot, and q
-      returned, [1, q_size] (each program owning a head's dims d and d + head_dim / 2);
-    - `add_norm` ((residual [1, N], norm_weight [N], eps)): after the product y, residual +=
-      y in place and y = rmsnorm(residual), returned, as fused_add_rms_norm(y, residual, ...)
-      after the launch; done by the launch's last program to finish (an atomic count), so no
-      program but that one does more than the product.
+      returned, [1, q_size] (each program owning a head's dims d and d + head_dim / 2).
     """
     # x: [M, K]; weight: [N, K]; bias: [N] -> [M, N]
     assert x.dim() == 2 and weight.dim() == 2, f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
@@ -412,17 +376,6 @@ def gemv(
         num_q_heads = n // head_dim - 2 * num_kv_heads
         assert n % head_dim == 0 and num_q_heads > 0, f"rope: N={n} is not q, k and v heads"
         rope.check(x.dtype)
-    an_args = {}
-    if add_norm is not None:
-        an_res, an_weight, an_eps = add_norm
-        assert m == 1 and not fused, "add_norm: batch 1, a plain product"
-        assert an_res.shape == (1, n) and an_res.stride(1) == 1, f"residual {tuple(an_res.shape)}"
-        assert an_weight.shape == (n,) and an_weight.is_contiguous(), "norm weight: [N]"
-        assert an_res.dtype == an_weight.dtype == x.dtype, "add_norm: x's dtype"
-        an_args = dict(
-            an_res_ptr=an_res, an_weight_ptr=an_weight, an_counter_ptr=_counter(x.device),
-            an_eps=an_eps, ADD_NORM=True, BLOCK_ROW=triton.next_power_of_2(n),
-        )  # fmt: skip
     if residual is not None:
         assert residual.shape == (1, n), f"residual {tuple(residual.shape)}, expected (1, {n})"
         assert residual.dtype == x.dtype and residual.stride(1) == 1, "residual dtype/stride"
@@ -457,21 +410,9 @@ def gemv(
         M_PAD=max(16, triton.next_power_of_2(m)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device),
-        **({} if maxnreg is None else {"maxnreg": maxnreg}), **an_args,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
     return y
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """add_norm's count of finished programs: one int32 per device, allocated once (CUDA
-    graphs keep its address), zero between launches (each launch's last program resets it;
-    the launches of a stream follow one another)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 def gemv_ref(

@@ -99,22 +99,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor, ctx: ForwardContext, ops: Ops,
-        next_norm: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """x: the layer's normalised input, input_layernorm(residual) (the layer before's
-        output, or forward's first norm). The residual add and the norm after each projection
-        are one op with it (`ops.linear_add_norm`): returns (next_norm(new residual), new
-        residual), or with no next_norm (the last layer, when forward leaves the final norm to
-        compute_logits) (the MLP's output, the residual it is still to be added to)."""
-        out = self.self_attn.attend(x, ctx, ops)
-        norm, o_proj = self.post_attention_layernorm, self.self_attn.o_proj
-        x, residual = ops.linear_add_norm(out, o_proj, residual, norm.weight, norm.eps, "o")
-        act = ops.linear_silu_mul(x, self.mlp.gate_up_proj)
-        if next_norm is None:
-            return ops.linear(act, self.mlp.down_proj), residual
-        w, eps = next_norm.weight, next_norm.eps
-        return ops.linear_add_norm(act, self.mlp.down_proj, residual, w, eps, "down")
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, ops: Ops
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream travels beside the normalised input so that the add and the
+        next norm are one fused op: returns (this layer's output delta, residual)."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(x, ctx, ops)
+        norm = self.post_attention_layernorm
+        x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(x, ops), residual
 
     def forward_fused(
         self, h: torch.Tensor, ctx: ForwardContext, ops: Ops, sums: NormSums
@@ -188,17 +185,14 @@ class LlamaForCausalLM(nn.Module):
         if self.ops.fuses(input_ids.shape[0]):
             assert not final_norm, "the fused path folds the final norm into lm_head"
             return self._forward_fused(input_ids, ctx, pick)
-        residual = self.ops.embed(input_ids, self.model.embed_tokens.weight, *(pick or ()))
-        layers = self.model.layers
-        norm = layers[0].input_layernorm
-        x = self.ops.rms_norm(residual, norm.weight, norm.eps)
-        for i, layer in enumerate(layers):
-            if i + 1 < len(layers):
-                next_norm = layers[i + 1].input_layernorm
-            else:  # the final norm here only for decode_logits
-                next_norm = self.model.norm if final_norm else None
-            x, residual = layer(x, residual, ctx, self.ops, next_norm)
-        return x if final_norm else x + residual
+        x = self.ops.embed(input_ids, self.model.embed_tokens.weight, *(pick or ()))
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, ctx, self.ops)
+        if final_norm:
+            norm = self.model.norm
+            return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
+        return x + residual
 
     def decode_logits(
         self,

@@ -74,13 +74,6 @@ class _Compositions:
         `sumsq_out`: where the fused path may leave its sum of squares (NormSums.writer)."""
         return self.linear(x, layer) + residual
 
-    def linear_add_norm(
-        self, x, layer: torch.nn.Linear, residual, weight, eps, site: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """add_rms_norm(layer(x), residual, weight, eps): (the normalised new residual stream,
-        the stream); `site` names the projection ("o", "down") for a backend that fuses some."""
-        return self.add_rms_norm(self.linear(x, layer), residual, weight, eps)
-
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         """silu_and_mul(layer(x)) for layer = gate_up_proj: [num_tokens, intermediate]."""
         return self.silu_and_mul(self.linear(x, layer))
@@ -209,7 +202,10 @@ class TritonOps(_Compositions):
         # GEMV program summing its row's squares; 3.823 with the sums handed over (norm_sums);
         # 3.784 with the norms' weights folded into the projections too (fold_norm_weights).
         # W2 3.845 / 3.846 and 3.802 / 3.802 vs 3.771 / 3.769 ms/token. Real-weight parity of
-        # the decode logits 1.41e-2 and 1.55e-2 (9.34e-3 apart; runs/2026-12-03y-parity_*.log)
+        # the decode logits 1.41e-2 and 1.55e-2 (9.34e-3 apart; runs/2026-12-03y-parity_*.log).
+        # Nor did the add + norm done by the o / down GEMV launch's last program (an atomic
+        # count, no work added to the other programs): 3.892 / 3.818 vs 3.794 ms
+        # (runs/2026-12-03zj-w2_chain.log)
         self.fuse_decode = False
         # with fuse_decode: each residual write leaves the row's sum of squares for the norm
         # folded into the next GEMV (NormSums), so no GEMV program sums the row itself (the
@@ -285,12 +281,10 @@ class TritonOps(_Compositions):
         # spills), yet W2 took 3.787 / 3.786 vs 3.786 / 3.786 ms/token, same run
         # (runs/2026-12-03x-sweep.log)
         self.gemv_maxnreg: int | None = None
-        self.preload_max_k = 4096  # down_proj's K = 14336 (gemv allows it) is not yet measured
+        # down_proj's K = 14336 preloading (gemv allows it) was slower: graph at 384 keys 3.821
+        # to 4.327 ms over 4 tilings vs 3.794 (runs/2026-12-03zj-w2_chain.log)
+        self.preload_max_k = 4096
         self.preload_configs: dict[tuple[int, int], tuple[int, int, int, int]] = {}
-        # batch 1: the residual add and norm after these projections ("o", "down": the next
-        # layer's input norm, or the final one) done by the GEMV launch's last program
-        # (linear_add_norm), one launch fewer each. UNDER MEASUREMENT
-        self.fuse_add_norm: frozenset[str] = frozenset()
 
     def embed(self, input_ids, weight, pick_src=None, prev_ids=None, sumsq_out=None):
         """TorchOps.embed in one launch (the pick included; the row's sum of squares too, with
@@ -377,18 +371,6 @@ class TritonOps(_Compositions):
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
         rope = self._attn.DecodeRope(k, v, positions, cos_sin_cache, meta.slot_mapping)
         return self._decode_attention(q, kv_cache, meta, scale, rope)
-
-    def linear_add_norm(
-        self, x, layer: torch.nn.Linear, residual, weight, eps, site: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One GEMV launch at one row for the sites in `fuse_add_norm`: its last program adds
-        and normalises (gemv's `add_norm`)."""
-        if (
-            site in self.fuse_add_norm and self.use_gemv and x.shape[0] == 1
-            and layer.bias is None
-        ):  # fmt: skip
-            return self._gemv_linear(x, layer, add_norm=(residual, weight, eps)), residual
-        return super().linear_add_norm(x, layer, residual, weight, eps, site)
 
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         if self.use_gemv and self.fuse_gate_silu and x.shape[0] == 1:

@@ -1,0 +1,105 @@
+"""W2's down_proj (4096 x 14336) as a preloading GEMV on the lent GPU.
+
+down_proj is the one batch-1 projection that does not preload (ops.preload_max_k 4096): its
+K-loop programs (32 x 1024 tiles, 255 registers: one program an SM) start loading only after
+gate_up's last program ends. Preloading, each program loads its rows whole before the PDL wait
+(2 rows over 8 warps: 56 registers of weights a thread), so down_proj streams in behind
+gate_up's tail, as the other projections do.
+
+1. The preloading GEMV alone at the down shape against gemv_ref (bf16 tolerance), per tiling.
+2. The engine's batch-1 decode graph at 384 keys, recaptured per arm: min of 3 x 50 replays.
+3. W2, the fastest arm against the default, alternated twice; greedy tokens against the
+   default's first 32 (a tiling changes the sums' order).
+
+Run zj (runs/2026-12-03zj-w2_chain.log, this script's arms inside gpu_w2_chain.py at 60a7243):
+every preload lost, the graph taking 4.049 (2 rows x 8 warps), 4.321 (4 x 8), 4.327 (2 x 4)
+and 3.821 ms (1 x 4) against the K loop's 3.794 / 3.794. The same run tried the residual add +
+norm after the o and/or down projection done by the GEMV launch's last program (an atomic
+count; gemv `add_norm`, reverted since): 3.818 (down), 3.892 (o), 3.915 (both) against 3.794,
+the product and the sum equal to the unfused ops'.
+
+    PYTHONPATH=. python3 benchmarks/gpu_down_preload.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from lantau import LLM
+from lantau.bench.offline import batch1_graph, greedy_agreement, replay_ms, run_lantau
+from lantau.bench.workloads import make_workload
+from lantau.kernels.gemv import gemv, gemv_ref
+
+OUT = os.environ.get("OUT", ".")
+SHAPE = (4096, 14336)
+# (label, preload_max_k, preload tiling (BLOCK_N, -, warps, stages) or None: preload_config's)
+ARMS = [
+    ("K-loop (default)", 4096, None),
+    ("preload 2 rows x 8 warps", 16384, None),
+    ("preload 4 rows x 8 warps", 16384, (4, 0, 8, 1)),
+    ("preload 2 rows x 4 warps", 16384, (2, 0, 4, 1)),
+    ("preload 1 row x 4 warps", 16384, (1, 0, 4, 1)),
+    ("preload 4 rows x 16 warps", 16384, (4, 0, 16, 1)),
+    ("K-loop again", 4096, None),
+]
+
+
+def main() -> None:
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    res: dict = {"card": torch.cuda.get_device_name()}
+    table: list[str] = []
+    torch.manual_seed(0)
+    x = torch.randn(1, SHAPE[1], device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16) / SHAPE[1] ** 0.5
+    ref = gemv_ref(x, w)
+    for label, _, config in ARMS[1:-1]:
+        y = gemv(x, w, None, config, preload=True)
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        table.append(f"| down GEMV alone, {label} | rel err {err:.2e} vs gemv_ref | |")
+        print(table[-1], flush=True)
+        assert err < 1e-2, err
+    llm = LLM("random:llama3-8b", max_model_len=1152, max_num_seqs=8)
+    core = llm.engine.core
+    ops = core.runner.model.ops
+    block_size = llm.config.cache.block_size
+    w2 = make_workload("W2", 128256)
+
+    def set_arm(arm) -> None:
+        _, ops.preload_max_k, config = arm
+        ops.preload_configs.pop(SHAPE, None)
+        if config:
+            ops.preload_configs[SHAPE] = config
+        core.runner.capture_cuda_graphs()
+
+    reference, timed = None, []
+    for arm in ARMS:
+        set_arm(arm)
+        tokens, same = greedy_agreement(llm, w2.prompts[0], reference)
+        reference = reference or tokens
+        graph = batch1_graph(core.runner.graphs, 384, block_size)
+        ms = min(replay_ms(graph, 50) for _ in range(3))
+        timed.append((ms, arm))
+        res.setdefault("graph", []).append({"arm": arm[0], "graph_ms": ms, "same": same})
+        table.append(f"| decode graph bs1, 384 keys, down {arm[0]} | {ms:.4f} ms | {same}/32 |")
+        print(table[-1], flush=True)
+    best = min(timed, key=lambda t: t[0])[1]
+    for arm in [ARMS[0], best] * 2:
+        set_arm(arm)
+        stats = run_lantau(llm, w2).summary()
+        res.setdefault("w2", []).append({"arm": arm[0], **stats})
+        table.append(
+            f"| W2, down {arm[0]} | {stats['ms_per_token']:.3f} ms/token | GPU util "
+            f"{stats['gpu_util_pct']}% |"
+        )
+        print(table[-1], flush=True)
+    with open(os.path.join(OUT, "gpu_down_preload.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print("\n| what | figure | comparison |")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
