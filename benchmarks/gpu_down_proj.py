@@ -1,9 +1,9 @@
 """W2's down_proj GEMV (4096 x 14336, the one batch-1 projection that does not preload) on the
 lent GPU: its tiling.
 
-ptxas (sm_90, benchmarks/ptxas_registers.py's way) gives the default tiling, 32 rows x 1024
-columns over 8 warps at 4 stages, 255 registers and 636 bytes of spill stores a thread; 32 x
-512 takes 213 and 16 x 1024 198, neither spilling.
+ptxas (sm_90, benchmarks/ptxas_registers.py's way) gives the tiling that was the default until
+run zn, 32 rows x 1024 columns over 8 warps at 4 stages, 255 registers and 636 bytes of
+spill stores a thread; 32 x 512 takes 213 and 16 x 1024 198, neither spilling.
 
 1. The GEMV alone at llama3-8b's down shape: each arm's output against gemv_ref (bf16
    tolerance).
@@ -14,7 +14,9 @@ columns over 8 warps at 4 stages, 255 registers and 636 bytes of spill stores a 
 Run zf (runs/2026-12-03zf-down_proj.log) also had arms with each row's first 1, 2 or 4 2 KB
 chunks prefetched into L2 (cp.async.bulk.prefetch, inline PTX) before the PDL wait: the graph
 took 3.844, 3.996 and 4.315 ms against 3.749, so that patch was not kept; the tilings below
-gave 3.810 (32 x 512) and 3.885 (16 x 1024), so the default stays.
+gave 3.810 (32 x 512) and 3.885 (16 x 1024), so the default stayed. Run zn
+(benchmarks/gpu_w2_knobs.py) found 4 x 1024 over 2 warps faster (1,024 programs over every
+SM); it is the default now, and ARMS below keep 32 x 1024 over 8 warps as the old one.
 
     PYTHONPATH=. python3 benchmarks/gpu_down_proj.py
 """
@@ -41,7 +43,7 @@ OUT = os.environ.get("OUT", ".")
 SHAPE = (4096, 14336)
 DEFAULT = default_config(*SHAPE)
 # tilings (BLOCK_N, BLOCK_K, warps, stages); the default again last, for drift
-ARMS = [DEFAULT, (32, 512, 8, 4), (16, 1024, 8, 4), DEFAULT]
+ARMS = [DEFAULT, (32, 1024, 8, 4), (32, 512, 8, 4), (16, 1024, 8, 4), DEFAULT]
 
 
 def label(config) -> str:

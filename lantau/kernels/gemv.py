@@ -285,7 +285,7 @@ def preload_config(n: int, k: int) -> tuple[int, int, int]:
     (benchmarks/runs/2026-12-03e-gemv_preload.log): 4 rows a program; 8 warps for lm_head's
     128k rows (4.50 TB/s vs 4.16 at 4 warps), 4 for the rest (o 3.43, qkv 3.74, gate_up 4.37).
     Rows past 4096 (down_proj's 14336): 2 rows over 8 warps, 64 registers of weights a thread
-    as at K = 4096 (not yet measured)."""
+    as at K = 4096 (in W2's graph slower than the K loop, runs/2026-12-03zj-w2_chain.log)."""
     if k > 4096:
         return 2, 8, 1
     return (4, 8, 1) if n >= 65536 else (4, 4, 1)
@@ -294,9 +294,16 @@ def preload_config(n: int, k: int) -> tuple[int, int, int]:
 def default_config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from a sweep of 36 tilings at batch 1 on an
     H200 (benchmarks/runs/2026-12-02-gpu_gemv-sweep.log): long rows take wide K chunks, tall
-    matrices taller tiles, the small projections 8-row tiles (more programs in flight)."""
-    if k >= 8192:  # down_proj of an 8B model: 4.02 TB/s (cuBLAS 3.87)
-        return 32, 1024, 8, 4
+    matrices taller tiles, the small projections 8-row tiles (more programs in flight); long
+    rows (down_proj) from W2's decode graph since (runs/2026-12-03zn)."""
+    if k >= 8192:
+        # down_proj of an 8B model: 4 rows over 2 warps, 1,024 programs spread over every SM
+        # (32 x 1024 over 8 warps took 255 registers, one program an SM: 128 SMs of 132). In
+        # W2's decode graph 3.776 / 3.778 (3 stages) vs 3.798 / 3.799 ms; W2 3.783 / 3.783 /
+        # 3.784 / 3.785 vs 3.800 / 3.801 / 3.800 / 3.800 ms/token, same runs, alternated
+        # (runs/2026-12-03zn-w2_knobs*.log; the old tiling alone ran at 4.02 TB/s, cuBLAS 3.87);
+        # the CLI's W2 then 3.780 on that machine class (runs/2026-12-03zo-w2_cli.log)
+        return 4, 1024, 2, 4
     if n >= 16384:  # gate_up 4.34 TB/s (cuBLAS 4.27), lm_head 4.5 (cuBLAS 3.94)
         return 16, 256, 4, 4
     return 8, 512, 4, 4  # qkv 3.58 TB/s (cuBLAS 3.32), o 3.1 (cuBLAS 2.69)
