@@ -20,17 +20,13 @@ was not kept.
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
+from w2_arms import finish, graph_arm, w2_arms
 
 from lantau import LLM
-from lantau.bench.offline import batch1_graph, greedy_agreement, replay_ms, run_lantau
 from lantau.bench.workloads import make_workload
 from lantau.kernels import argmax
 
-OUT = os.environ.get("OUT", ".")
 # (label, the new tail: fused final norm and PDL argmax)
 ARMS = [("old tail", False), ("new tail", True)] * 2
 
@@ -41,7 +37,6 @@ def main() -> None:
     table: list[str] = []
     llm = LLM("random:llama3-8b", max_model_len=1152, max_num_seqs=8)
     core = llm.engine.core
-    block_size = llm.config.cache.block_size
     w2 = make_workload("W2", 128256)
 
     def set_arm(arm) -> None:
@@ -51,26 +46,10 @@ def main() -> None:
     reference = None
     for arm in ARMS:
         set_arm(arm)
-        tokens, same = greedy_agreement(llm, w2.prompts[0], reference)
+        tokens, _ = graph_arm(llm, w2, arm[0], reference, res, table)
         reference = reference or tokens
-        graph = batch1_graph(core.runner.graphs, 384, block_size)
-        ms = min(replay_ms(graph, 50) for _ in range(3))
-        res.setdefault("graph", []).append({"arm": arm[0], "graph_ms": ms, "same": same})
-        table.append(f"| decode graph bs1, 384 keys, {arm[0]} | {ms:.4f} ms | {same}/32 tokens |")
-        print(table[-1], flush=True)
-    for arm in ARMS:
-        set_arm(arm)
-        stats = run_lantau(llm, w2).summary()
-        res.setdefault("w2", []).append({"arm": arm[0], **stats})
-        table.append(
-            f"| W2, {arm[0]} | {stats['ms_per_token']:.3f} ms/token | GPU util "
-            f"{stats['gpu_util_pct']}% |"
-        )
-        print(table[-1], flush=True)
-    with open(os.path.join(OUT, "gpu_decode_tail.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    print("\n| what | figure | comparison |")
-    print("\n".join(table))
+    w2_arms(llm, w2, ARMS, set_arm, res, table)
+    finish("gpu_decode_tail", res, table)
 
 
 if __name__ == "__main__":

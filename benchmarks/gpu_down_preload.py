@@ -23,17 +23,13 @@ the product and the sum equal to the unfused ops'.
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
+from w2_arms import finish, graph_arm, row, w2_arms
 
 from lantau import LLM
-from lantau.bench.offline import batch1_graph, greedy_agreement, replay_ms, run_lantau
 from lantau.bench.workloads import make_workload
 from lantau.kernels.gemv import gemv, gemv_ref
 
-OUT = os.environ.get("OUT", ".")
 SHAPE = (4096, 14336)
 # (label, preload_max_k, preload tiling (BLOCK_N, -, warps, stages) or None: preload_config's)
 ARMS = [
@@ -58,13 +54,11 @@ def main() -> None:
     for label, _, config in ARMS[1:-1]:
         y = gemv(x, w, None, config, preload=True)
         err = ((y.float() - ref).norm() / ref.norm()).item()
-        table.append(f"| down GEMV alone, {label} | rel err {err:.2e} vs gemv_ref | |")
-        print(table[-1], flush=True)
+        row(table, f"| down GEMV alone, {label} | rel err {err:.2e} vs gemv_ref | |")
         assert err < 1e-2, err
     llm = LLM("random:llama3-8b", max_model_len=1152, max_num_seqs=8)
     core = llm.engine.core
     ops = core.runner.model.ops
-    block_size = llm.config.cache.block_size
     w2 = make_workload("W2", 128256)
 
     def set_arm(arm) -> None:
@@ -77,28 +71,12 @@ def main() -> None:
     reference, timed = None, []
     for arm in ARMS:
         set_arm(arm)
-        tokens, same = greedy_agreement(llm, w2.prompts[0], reference)
+        tokens, ms = graph_arm(llm, w2, f"down {arm[0]}", reference, res, table)
         reference = reference or tokens
-        graph = batch1_graph(core.runner.graphs, 384, block_size)
-        ms = min(replay_ms(graph, 50) for _ in range(3))
         timed.append((ms, arm))
-        res.setdefault("graph", []).append({"arm": arm[0], "graph_ms": ms, "same": same})
-        table.append(f"| decode graph bs1, 384 keys, down {arm[0]} | {ms:.4f} ms | {same}/32 |")
-        print(table[-1], flush=True)
     best = min(timed, key=lambda t: t[0])[1]
-    for arm in [ARMS[0], best] * 2:
-        set_arm(arm)
-        stats = run_lantau(llm, w2).summary()
-        res.setdefault("w2", []).append({"arm": arm[0], **stats})
-        table.append(
-            f"| W2, down {arm[0]} | {stats['ms_per_token']:.3f} ms/token | GPU util "
-            f"{stats['gpu_util_pct']}% |"
-        )
-        print(table[-1], flush=True)
-    with open(os.path.join(OUT, "gpu_down_preload.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    print("\n| what | figure | comparison |")
-    print("\n".join(table))
+    w2_arms(llm, w2, [ARMS[0], best] * 2, set_arm, res, table)
+    finish("gpu_down_preload", res, table)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ spill stores a thread; 32 x 512 takes 213 and 16 x 1024 198, neither spilling.
 1. The GEMV alone at llama3-8b's down shape: each arm's output against gemv_ref (bf16
    tolerance).
 2. The engine's batch-1 decode graph at 384 keys, recaptured per arm: min of 3 x 50 replays.
-3. W2, the fastest arm against the default, alternated twice; greedy tokens against the
-   default's first 32 (a tiling changes the sums' order).
+   Each arm's first 32 greedy tokens against the default's (a tiling changes the sums' order).
+3. W2, the fastest arm against the default, alternated twice.
 
 Run zf (runs/2026-12-03zf-down_proj.log) also had arms with each row's first 1, 2 or 4 2 KB
 chunks prefetched into L2 (cp.async.bulk.prefetch, inline PTX) before the PDL wait: the graph
@@ -23,23 +23,14 @@ SM); it is the default now, and ARMS below keep 32 x 1024 over 8 warps as the ol
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
+from w2_arms import finish, graph_arm, row, w2_arms
 
 from lantau import LLM
-from lantau.bench.offline import (
-    batch1_graph,
-    greedy_agreement,
-    measure_ceilings,
-    replay_ms,
-    run_lantau,
-)
+from lantau.bench.offline import measure_ceilings
 from lantau.bench.workloads import make_workload
 from lantau.kernels.gemv import default_config, gemv, gemv_ref
 
-OUT = os.environ.get("OUT", ".")
 SHAPE = (4096, 14336)
 DEFAULT = default_config(*SHAPE)
 # tilings (BLOCK_N, BLOCK_K, warps, stages); the default again last, for drift
@@ -60,8 +51,7 @@ def kernel_check(res: dict, table: list[str]) -> None:
         y = gemv(x, w, None, config)
         err = ((y.float() - ref).norm() / ref.norm()).item()
         res.setdefault("kernel", []).append({"arm": label(config), "rel_err": err})
-        table.append(f"| down GEMV alone, {label(config)} | rel err {err:.2e} vs gemv_ref | |")
-        print(table[-1], flush=True)
+        row(table, f"| down GEMV alone, {label(config)} | rel err {err:.2e} vs gemv_ref | |")
         assert err < 1e-2, err
 
 
@@ -74,39 +64,22 @@ def main() -> None:
     llm = LLM("random:llama3-8b", max_model_len=1152, max_num_seqs=8)
     core = llm.engine.core
     ops = core.runner.model.ops
-    block_size = llm.config.cache.block_size
+    w2 = make_workload("W2", 128256)
 
-    def set_arm(config) -> None:
-        ops.gemv_configs[SHAPE] = config
+    def set_arm(arm) -> None:
+        ops.gemv_configs[SHAPE] = arm[1]
         core.runner.capture_cuda_graphs()
 
-    timed = []
-    for arm in ARMS:
+    reference, timed = None, []
+    for config in ARMS:
+        arm = (f"down {label(config)}", config)
         set_arm(arm)
-        graph = batch1_graph(core.runner.graphs, 384, block_size)
-        ms = min(replay_ms(graph, 50) for _ in range(3))
-        timed.append((ms, arm))
-        res.setdefault("graph", []).append({"arm": label(arm), "graph_ms": ms})
-        table.append(f"| decode graph bs1, 384 keys, down {label(arm)} | {ms:.4f} ms | |")
-        print(table[-1], flush=True)
-    best = min(timed, key=lambda t: t[0])[1]
-    w2 = make_workload("W2", 128256)
-    reference = None
-    for arm in [ARMS[0], best] * 2:
-        set_arm(arm)
-        tokens, same = greedy_agreement(llm, w2.prompts[0], reference)
+        tokens, ms = graph_arm(llm, w2, arm[0], reference, res, table)
         reference = reference or tokens
-        stats = run_lantau(llm, w2).summary()
-        res.setdefault("w2", []).append({"arm": label(arm), "same": same, **stats})
-        table.append(
-            f"| W2, down {label(arm)} | {stats['ms_per_token']:.3f} ms/token | GPU util "
-            f"{stats['gpu_util_pct']}%; {same}/32 greedy tokens as the default's |"
-        )
-        print(table[-1], flush=True)
-    with open(os.path.join(OUT, "gpu_down_proj.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    print("\n| what | figure | comparison |")
-    print("\n".join(table))
+        timed.append((ms, arm))
+    best = min(timed, key=lambda t: t[0])[1]
+    w2_arms(llm, w2, [timed[0][1], best] * 2, set_arm, res, table)
+    finish("gpu_down_proj", res, table)
 
 
 if __name__ == "__main__":

@@ -24,16 +24,12 @@ old tiling to compare.
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
+from w2_arms import finish, graph_arm, row, w2_arms
 
 from lantau import LLM
-from lantau.bench.offline import batch1_graph, greedy_agreement, replay_ms, run_lantau
 from lantau.bench.workloads import make_workload
 
-OUT = os.environ.get("OUT", ".")
 DOWN = (4096, 14336)
 
 
@@ -64,7 +60,6 @@ def main() -> None:
     llm = LLM("random:llama3-8b", max_model_len=1152, max_num_seqs=8)
     core = llm.engine.core
     ops = core.runner.model.ops
-    block_size = llm.config.cache.block_size
     w2 = make_workload("W2", 128256)
 
     def set_arm(arm) -> None:
@@ -72,44 +67,26 @@ def main() -> None:
             setattr(ops, name, value)
         core.runner.capture_cuda_graphs()
 
-    def graph_arm(arm, reference):
+    def timed_arm(arm, reference):
         set_arm(arm)
-        tokens, same = greedy_agreement(llm, w2.prompts[0], reference)
-        graph = batch1_graph(core.runner.graphs, 384, block_size)
-        ms = min(replay_ms(graph, 50) for _ in range(3))
-        res.setdefault("graph", []).append({"arm": arm[0], "graph_ms": ms, "same": same})
-        table.append(f"| decode graph bs1, 384 keys, {arm[0]} | {ms:.4f} ms | {same}/32 |")
-        print(table[-1], flush=True)
-        return tokens, ms
+        return graph_arm(llm, w2, arm[0], reference, res, table)
 
     reference, timed = None, []
     for arm in ARMS:
         try:
-            tokens, ms = graph_arm(arm, reference)
+            tokens, ms = timed_arm(arm, reference)
         except Exception as e:  # a tiling that does not build: reported, skipped
-            table.append(f"| decode graph bs1, 384 keys, {arm[0]} | failed | {e!r:.120} |")
-            print(table[-1], flush=True)
+            row(table, f"| decode graph bs1, 384 keys, {arm[0]} | failed | {e!r:.120} |")
             continue
         reference = reference or tokens
         timed.append((ms, arm))
     best_down = min((t for t in timed if "down" in t[1][0]), key=lambda t: t[0])[1]
     best_attn = min((t for t in timed if "attention" in t[1][0]), key=lambda t: t[0])[1]
     both = (f"{best_down[0]} + {best_attn[0]}", {**best_down[1], **best_attn[1]})
-    timed.append((graph_arm(both, reference)[1], both))
+    timed.append((timed_arm(both, reference)[1], both))
     best = min(timed, key=lambda t: t[0])[1]
-    for arm in [ARMS[0], best] * 2:
-        set_arm(arm)
-        stats = run_lantau(llm, w2).summary()
-        res.setdefault("w2", []).append({"arm": arm[0], **stats})
-        table.append(
-            f"| W2, {arm[0]} | {stats['ms_per_token']:.3f} ms/token | GPU util "
-            f"{stats['gpu_util_pct']}% |"
-        )
-        print(table[-1], flush=True)
-    with open(os.path.join(OUT, "gpu_w2_knobs.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    print("\n| what | figure | comparison |")
-    print("\n".join(table))
+    w2_arms(llm, w2, [ARMS[0], best] * 2, set_arm, res, table)
+    finish("gpu_w2_knobs", res, table)
 
 
 if __name__ == "__main__":
