@@ -35,6 +35,20 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
     graphs.greedy_in_graph = True  # the graph's greedy pick too (the default)
     checked, classes, turns = [], set(), []
     eager_forward = runner._forward_logits
+    num_layers = len(runner.model.model.layers)
+    norms = []  # each add_rms_norm a graph step runs: whether its weight is a layer's
+    layer_norms = {
+        id(norm.weight)
+        for layer in runner.model.model.layers
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+    }
+    add_rms_norm = ops.add_rms_norm
+
+    def counting_add_rms_norm(x, residual, weight, eps):
+        norms.append(id(weight) in layer_norms)
+        return add_rms_norm(x, residual, weight, eps)
+
+    ops.add_rms_norm = counting_add_rms_norm
 
     def both(inputs):
         # the graph's pass first: on CPU the eager pass writes the device-sampled tokens into
@@ -47,7 +61,11 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
             before = [ids.clone() for ids in runner.token_ids]
             # the graph run() would pick: the short-context one if every context fits
             short = int(inputs.seq_lens.max()) <= ops.short_context_keys(bs)
+            norms.clear()
             replayed, greedy = graphs._step(bs, ops.short_context_keys(bs) if short else None, turn)
+            # decode_logits: every layer's add + norm, and the last residual add with the final
+            # norm (no separate add, no separate norm launch)
+            assert norms == [True] * (2 * num_layers - 1) + [False], norms
             classes.add(short)
             turns.append(turn)
             # the graph's greedy pick: each row's argmax, left in its turn's ids buffer for the
