@@ -20,11 +20,8 @@ was not kept.
 
 from __future__ import annotations
 
-import torch
-from w2_arms import finish, graph_arm, w2_arms
+from w2_arms import finish, graph_arm, start, w2_arms
 
-from lantau import LLM
-from lantau.bench.workloads import make_workload
 from lantau.kernels import argmax
 
 # (label, the new tail: fused final norm and PDL argmax)
@@ -32,12 +29,8 @@ ARMS = [("old tail", False), ("new tail", True)] * 2
 
 
 def main() -> None:
-    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    res: dict = {"card": torch.cuda.get_device_name()}
-    table: list[str] = []
-    llm = LLM("random:llama3-8b", max_model_len=1152, max_num_seqs=8)
+    llm, w2, res, table = start()
     core = llm.engine.core
-    w2 = make_workload("W2", 128256)
 
     def set_arm(arm) -> None:
         core.runner.model.fuse_final_norm = argmax.use_pdl = arm[1]

@@ -24,10 +24,8 @@ the product and the sum equal to the unfused ops'.
 from __future__ import annotations
 
 import torch
-from w2_arms import finish, graph_arm, row, w2_arms
+from w2_arms import finish, graph_arm, row, start, w2_arms
 
-from lantau import LLM
-from lantau.bench.workloads import make_workload
 from lantau.kernels.gemv import gemv, gemv_ref
 
 SHAPE = (4096, 14336)
@@ -44,9 +42,7 @@ ARMS = [
 
 
 def main() -> None:
-    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    res: dict = {"card": torch.cuda.get_device_name()}
-    table: list[str] = []
+    llm, w2, res, table = start()
     torch.manual_seed(0)
     x = torch.randn(1, SHAPE[1], device="cuda", dtype=torch.bfloat16)
     w = torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16) / SHAPE[1] ** 0.5
@@ -56,10 +52,8 @@ def main() -> None:
         err = ((y.float() - ref).norm() / ref.norm()).item()
         row(table, f"| down GEMV alone, {label} | rel err {err:.2e} vs gemv_ref | |")
         assert err < 1e-2, err
-    llm = LLM("random:llama3-8b", max_model_len=1152, max_num_seqs=8)
     core = llm.engine.core
     ops = core.runner.model.ops
-    w2 = make_workload("W2", 128256)
 
     def set_arm(arm) -> None:
         _, ops.preload_max_k, config = arm

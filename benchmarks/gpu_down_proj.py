@@ -24,11 +24,9 @@ SM); it is the default now, and ARMS below keep 32 x 1024 over 8 warps as the ol
 from __future__ import annotations
 
 import torch
-from w2_arms import finish, graph_arm, row, w2_arms
+from w2_arms import finish, graph_arm, row, start, w2_arms
 
-from lantau import LLM
 from lantau.bench.offline import measure_ceilings
-from lantau.bench.workloads import make_workload
 from lantau.kernels.gemv import default_config, gemv, gemv_ref
 
 SHAPE = (4096, 14336)
@@ -56,15 +54,11 @@ def kernel_check(res: dict, table: list[str]) -> None:
 
 
 def main() -> None:
-    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    cuda = torch.device("cuda")
-    res: dict = {"card": torch.cuda.get_device_name(), "ceilings": measure_ceilings(cuda)}
-    table: list[str] = []
+    llm, w2, res, table = start()
+    res["ceilings"] = measure_ceilings(torch.device("cuda"))
     kernel_check(res, table)
-    llm = LLM("random:llama3-8b", max_model_len=1152, max_num_seqs=8)
     core = llm.engine.core
     ops = core.runner.model.ops
-    w2 = make_workload("W2", 128256)
 
     def set_arm(arm) -> None:
         ops.gemv_configs[SHAPE] = arm[1]

@@ -24,11 +24,7 @@ old tiling to compare.
 
 from __future__ import annotations
 
-import torch
-from w2_arms import finish, graph_arm, row, w2_arms
-
-from lantau import LLM
-from lantau.bench.workloads import make_workload
+from w2_arms import finish, graph_arm, row, start, w2_arms
 
 DOWN = (4096, 14336)
 
@@ -54,13 +50,9 @@ ARMS = [
 
 
 def main() -> None:
-    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    res: dict = {"card": torch.cuda.get_device_name()}
-    table: list[str] = []
-    llm = LLM("random:llama3-8b", max_model_len=1152, max_num_seqs=8)
+    llm, w2, res, table = start()
     core = llm.engine.core
     ops = core.runner.model.ops
-    w2 = make_workload("W2", 128256)
 
     def set_arm(arm) -> None:
         for name, value in {**DEFAULTS, **arm[1]}.items():

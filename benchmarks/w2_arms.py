@@ -1,6 +1,6 @@
 """What the W2 same-run benchmarks share (gpu_decode_tail, gpu_down_preload, gpu_down_proj,
-gpu_w2_knobs): an arm (a setting of the engine) timed in the batch-1 decode graph, W2 through
-the arms in turn, and the closing JSON and table.
+gpu_w2_knobs): their engine (start), an arm (a setting of it) timed in the batch-1 decode
+graph, W2 through the arms in turn, and the closing JSON and table.
 
 Each script keeps `res` (what goes to its JSON) and `table` (its closing table's rows); the
 functions here add to both and print each row as it comes.
@@ -12,10 +12,21 @@ import json
 import os
 from collections.abc import Callable
 
+import torch
+
+from lantau import LLM
 from lantau.bench.offline import batch1_graph, greedy_agreement, replay_ms, run_lantau
-from lantau.bench.workloads import Workload
+from lantau.bench.workloads import Workload, make_workload
 
 OUT = os.environ.get("OUT", ".")
+
+
+def start() -> tuple[LLM, Workload, dict, list[str]]:
+    """The card printed; the engine the scripts time (random:llama3-8b, batch 1 to 8), W2, and
+    an empty `res` (the card in it) and `table`."""
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    llm = LLM("random:llama3-8b", max_model_len=1152, max_num_seqs=8)
+    return llm, make_workload("W2", 128256), {"card": torch.cuda.get_device_name()}, []
 
 
 def row(table: list[str], text: str) -> None:

@@ -93,7 +93,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     num_chunks = triton.cdiv(vocab_size, BLOCK)
     _argmax_kernel[(num_rows, num_chunks)](
         logits, out, best, count, vocab_size, logits.stride(0), num_chunks, BLOCK=BLOCK,
-        num_warps=8, **pdl.launch_options(logits.device if use_pdl else torch.device("cpu")),
+        num_warps=8, **pdl.launch_options(logits.device, use_pdl),
     )  # fmt: skip
     return out
 

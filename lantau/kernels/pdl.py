@@ -47,10 +47,11 @@ def _supported(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def launch_options(device: torch.device) -> dict:
+def launch_options(device: torch.device, on: bool = True) -> dict:
     """Kwargs for launching a kernel that takes USE_PDL: the constexpr, and the launch flag when
-    on (left out when off, as the interpreter takes no such flag)."""
-    if enabled(device):
+    on (left out when off, as the interpreter takes no such flag). `on` False: off for this
+    launch whatever the device (a kernel's own knob, for same-run comparisons)."""
+    if on and enabled(device):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 
