@@ -5,96 +5,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-import torch
-
-from lantau.config import CacheConfig, EngineConfig, SchedulerConfig
+from lantau.config import EngineConfig
+from lantau.engine.args import build_engine_config
 from lantau.engine.core import EngineCore
 from lantau.engine.llm_engine import LLMEngine
 from lantau.errors import InvalidRequestError
-from lantau.model.loader import load_tokenizer, read_model_config, resolve_model_source
+from lantau.model.source import load_tokenizer
 from lantau.outputs import RequestOutput
 from lantau.request import SamplingParams
 
+__all__ = ["LLM", "Prompt", "build_engine_config"]
+
 Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: str) -> str:
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    if dtype == "auto":
-        return "bfloat16" if device.startswith("cuda") else "float32"
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise ValueError(f"dtype: {dtype!r} is not one of auto, float32, float16, bfloat16")
-    return dtype
-
-
-def build_engine_config(
-    model: str | None = None,
-    *,
-    dtype: str | torch.dtype = "auto",
-    device: str = "auto",
-    max_model_len: int | None = None,
-    tensor_parallel_size: int = 1,
-    seed: int = 0,
-    block_size: int = 16,
-    num_kv_blocks: int | None = None,
-    gpu_memory_utilization: float = 0.90,
-    enable_prefix_caching: bool = True,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int | None = None,
-    enable_chunked_prefill: bool = True,
-    scheduling_policy: str = "max_utilization",
-    attention_backend: str = "auto",
-    enforce_eager: bool = False,
-    async_scheduling: bool = True,
-):
-    """The frozen EngineConfig and the model source, from user-facing arguments."""
-    if tensor_parallel_size != 1:
-        raise ValueError("tensor_parallel_size: only 1 is supported so far")
-    source = resolve_model_source(model)
-    model_config = read_model_config(source)
-    max_len = min(max_model_len or model_config.max_position_embeddings, 1 << 20)
-    if max_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len: {max_len} exceeds the model's "
-            f"{model_config.max_position_embeddings} positions"
-        )
-    device = resolve_device(device)
-    if attention_backend == "auto":
-        attention_backend = "triton" if device.startswith("cuda") else "torch"
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = 4096 if enable_chunked_prefill else max_len
-    config = EngineConfig(
-        model=source.name,
-        model_config=model_config,
-        dtype=resolve_dtype(dtype, device),
-        device=device,
-        seed=seed,
-        tensor_parallel_size=tensor_parallel_size,
-        attention_backend=attention_backend,
-        enforce_eager=enforce_eager,
-        async_scheduling=async_scheduling,
-        cache=CacheConfig(
-            block_size=block_size,
-            num_blocks=num_kv_blocks,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_model_len=max_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-            policy=scheduling_policy,
-        ),
-    )
-    return config, source
 
 
 class LLM:

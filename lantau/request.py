@@ -170,3 +170,17 @@ class Request:
         if self.num_tokens >= self.max_num_tokens:
             return FinishReason.LENGTH
         return None
+
+
+def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Raise InvalidRequestError for a prompt the engine cannot serve."""
+    if not prompt_token_ids:
+        raise InvalidRequestError("prompt", "is empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt",
+            f"{len(prompt_token_ids)} tokens leave no room for output within "
+            f"max_model_len={max_model_len}",
+        )
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError("prompt_token_ids", f"must be integers in [0, {vocab_size})")

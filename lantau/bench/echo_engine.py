@@ -15,11 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from lantau.engine.async_llm import EngineOverloadedError
-from lantau.engine.core import validate_prompt
 from lantau.engine.protocol import StepStats
 from lantau.errors import InvalidRequestError
 from lantau.outputs import CompletionOutput, RequestOutput
-from lantau.request import SamplingParams
+from lantau.request import SamplingParams, validate_prompt
 
 
 @dataclass(frozen=True)

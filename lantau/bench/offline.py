@@ -293,9 +293,11 @@ def engine_sizes(
 
 
 def bench_offline(args) -> dict:
-    from lantau.llm import LLM, build_engine_config
+    from lantau.engine.args import build_engine_config, resolve_device
+    from lantau.llm import LLM
 
     config, _ = build_engine_config(args.model, dtype="auto", device="auto")
+    config = resolve_device(config, torch.cuda.is_available())
     workload = make_workload(args.workload, config.model_config.vocab_size, args.num_prompts)
     device = torch.device(config.device)
     result = {"workload": workload.name, "model": args.model, "ceilings": measure_ceilings(device)}

@@ -22,10 +22,10 @@ import zmq
 import zmq.asyncio
 
 from lantau.config import EngineConfig
-from lantau.engine.core import validate_prompt
-from lantau.engine.core_process import HEARTBEAT_S, run_engine_core
+from lantau.engine.core_process import run_engine_core
 from lantau.engine.llm_engine import OutputProcessor
 from lantau.engine.protocol import (
+    HEARTBEAT_S,
     AbortRequests,
     AddRequests,
     CoreOutputs,
@@ -34,9 +34,9 @@ from lantau.engine.protocol import (
     StepStats,
 )
 from lantau.errors import InvalidRequestError
-from lantau.model.loader import ModelSource
+from lantau.model.source import ModelSource
 from lantau.outputs import RequestOutput
-from lantau.request import FinishReason, SamplingParams
+from lantau.request import FinishReason, SamplingParams, validate_prompt
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from lantau.config import EngineConfig
+from lantau.engine.args import resolve_device
 from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
 from lantau.model.loader import ModelSource, build_model
-from lantau.request import FinishReason, Request, SamplingParams
+from lantau.request import FinishReason, Request, SamplingParams, validate_prompt
 from lantau.runner.model_runner import LaunchedStep, ModelRunner, kv_cache_bytes_per_block
 from lantau.sampling.sampler import SamplingRow
 from lantau.scheduler.output import EngineCoreOutput, SchedulerOutput
@@ -102,22 +103,9 @@ def profile_peak_bytes(config: EngineConfig, model, dtype: torch.dtype) -> int:
     return peak - num_blocks * kv_cache_bytes_per_block(config, dtype)
 
 
-def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    """Raise InvalidRequestError for a prompt the engine cannot serve."""
-    if not prompt_token_ids:
-        raise InvalidRequestError("prompt", "is empty")
-    if len(prompt_token_ids) >= max_model_len:
-        raise InvalidRequestError(
-            "prompt",
-            f"{len(prompt_token_ids)} tokens leave no room for output within "
-            f"max_model_len={max_model_len}",
-        )
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_token_ids):
-        raise InvalidRequestError("prompt_token_ids", f"must be integers in [0, {vocab_size})")
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        config = resolve_device(config, torch.cuda.is_available())
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)
         model = build_model(

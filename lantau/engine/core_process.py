@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from lantau.config import EngineConfig
-from lantau.engine.core import EngineCore
 from lantau.engine.protocol import (
+    HEARTBEAT_S,
     AbortRequests,
     AddRequests,
     CoreOutputs,
@@ -21,11 +22,12 @@ from lantau.engine.protocol import (
     StepStats,
 )
 from lantau.errors import InvalidRequestError
-from lantau.model.loader import ModelSource
+
+if TYPE_CHECKING:  # NOTE: imported by the frontend; torch loads only in the core process
+    from lantau.engine.core import EngineCore
+    from lantau.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
-
-HEARTBEAT_S = 0.5  # an idle core still reports this often: the frontend's watchdog
 
 
 def core_stats(core: EngineCore) -> StepStats:
@@ -54,6 +56,8 @@ def run_engine_core(
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(FrontendMessage)
     try:
+        from lantau.engine.core import EngineCore
+
         core = EngineCore(config, source)
     except Exception as e:  # report why, then exit: the frontend fails its start with it
         out_sock.send(encoder.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}")))

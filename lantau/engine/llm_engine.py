@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from lantau.engine.core import EngineCore
 from lantau.engine.detokenizer import IncrementalDetokenizer
 from lantau.errors import InvalidRequestError
 from lantau.outputs import CompletionOutput, RequestOutput
 from lantau.request import FinishReason, Request, SamplingParams
 from lantau.scheduler.output import EngineCoreOutput
+
+if TYPE_CHECKING:  # NOTE: the frontend (AsyncLLM) imports this module, and must not load torch
+    from lantau.engine.core import EngineCore
 
 
 def child_request_id(request_id: str, index: int) -> str:

@@ -14,6 +14,8 @@ import msgspec
 from lantau.request import FinishReason, Request, SamplingParams
 from lantau.scheduler.output import EngineCoreOutput
 
+HEARTBEAT_S = 0.5  # an idle core still reports this often: the frontend's watchdog
+
 
 class NewRequest(msgspec.Struct, array_like=True):
     request_id: str

@@ -11,10 +11,9 @@ import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import (
     GGML_QUANT_SIZES,
     GGUF_MAGIC,
@@ -27,7 +26,9 @@ from gguf.quants import dequantize
 
 from lantau.config import ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
-from lantau.model.llama import rope_inv_freq
+
+if TYPE_CHECKING:  # NOTE: configs and tokenizers are read without torch (the frontend)
+    import torch
 
 # GGUF architecture -> ModelConfig.architecture. llama.cpp writes "llama" for Llama, Mistral and
 # SmolLM2 alike; Mistral's sliding window is not in the file, so all of them load as "llama".
@@ -295,6 +296,8 @@ def _llama3_scaling(
         high_freq_factor=_LLAMA3_HIGH_FREQ_FACTOR,
         original_max_position_embeddings=_LLAMA3_ORIGINAL_CONTEXT,
     )
+    from lantau.model.llama import rope_inv_freq  # torch: only for Llama 3 scaled GGUFs
+
     plain = rope_inv_freq(head_dim, theta, None).double()
     expected = (plain / rope_inv_freq(head_dim, theta, scaling).double()).numpy()
     if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
@@ -399,6 +402,8 @@ def _dequantized(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     # llama.cpp permutes q/k only for its "llama" architecture (Llama, Mistral, SmolLM2);
     # Qwen2 is converted as-is because llama.cpp runs it with rotate-half ("neox") rope.
+    import torch
+
     permuted = config.architecture in ("llama", "mistral")
     for hf_name, t in plan:
         try:

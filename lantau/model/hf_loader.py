@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from lantau.config import ModelConfig
 from lantau.errors import ModelLoadError
+
+if TYPE_CHECKING:  # NOTE: configs and tokenizers are read without torch (the frontend)
+    import torch
 
 
 def read_hf_config(folder: Path) -> ModelConfig:

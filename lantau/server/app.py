@@ -177,8 +177,8 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
     """Start the engine, serve until stopped; non-zero when the engine died under us."""
     import uvicorn
 
-    from lantau.llm import build_engine_config
-    from lantau.model.loader import load_tokenizer
+    from lantau.engine.args import build_engine_config
+    from lantau.model.source import load_tokenizer
 
     engine_config, source = build_engine_config(engine_args.pop("model"), **engine_args)
     engine = AsyncLLM(

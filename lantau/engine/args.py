@@ -1,0 +1,106 @@
+"""User-facing engine arguments to the frozen EngineConfig, without torch: the server's frontend
+builds its config here and never imports torch. A device, dtype or attention backend left
+"auto" is chosen by the engine core (`EngineCore` resolves it where torch is loaded)."""
+
+from __future__ import annotations
+
+from lantau.config import CacheConfig, EngineConfig, SchedulerConfig
+from lantau.model.source import ModelSource, read_model_config, resolve_model_source
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def dtype_name(dtype) -> str:
+    """A dtype's name; `dtype` is a name or a torch.dtype (named without importing torch)."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    return name
+
+
+def build_engine_config(
+    model: str | None = None,
+    *,
+    dtype="auto",
+    device: str = "auto",
+    max_model_len: int | None = None,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    block_size: int = 16,
+    num_kv_blocks: int | None = None,
+    gpu_memory_utilization: float = 0.90,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
+    scheduling_policy: str = "max_utilization",
+    attention_backend: str = "auto",
+    enforce_eager: bool = False,
+    async_scheduling: bool = True,
+) -> tuple[EngineConfig, ModelSource]:
+    """The frozen EngineConfig and the model source, from user-facing arguments."""
+    if tensor_parallel_size != 1:
+        raise ValueError("tensor_parallel_size: only 1 is supported so far")
+    source = resolve_model_source(model)
+    model_config = read_model_config(source)
+    max_len = min(max_model_len or model_config.max_position_embeddings, 1 << 20)
+    if max_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {max_len} exceeds the model's "
+            f"{model_config.max_position_embeddings} positions"
+        )
+    if attention_backend == "auto" and device != "auto":
+        attention_backend = "triton" if device.startswith("cuda") else "torch"
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = 4096 if enable_chunked_prefill else max_len
+    config = EngineConfig(
+        model=source.name,
+        model_config=model_config,
+        dtype=resolve_dtype(dtype_name(dtype), device),
+        device=device,
+        seed=seed,
+        tensor_parallel_size=tensor_parallel_size,
+        attention_backend=attention_backend,
+        enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling,
+        cache=CacheConfig(
+            block_size=block_size,
+            num_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_model_len=max_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            policy=scheduling_policy,
+        ),
+    )
+    return config, source
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The dtype for a device: "auto" is bfloat16 on CUDA, float32 on CPU (and stays "auto"
+    while the device does)."""
+    if dtype != "auto" or device == "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def resolve_device(config: EngineConfig, cuda_available: bool) -> EngineConfig:
+    """The config with "auto" device, dtype and attention backend chosen (a new object)."""
+    import dataclasses
+
+    device = config.device
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.startswith("cuda") else "torch"
+    return dataclasses.replace(
+        config,
+        device=device,
+        dtype=resolve_dtype(config.dtype, device),
+        attention_backend=backend,
+    )
