@@ -53,6 +53,9 @@ class EchoEngine:
         self.dead: str | None = None
         self.process = _ThisProcess()
 
+    def is_live(self) -> bool:
+        return True
+
     async def start(self) -> None:
         pass
 

@@ -41,8 +41,24 @@ from lantau.request import FinishReason, SamplingParams, validate_prompt
 logger = logging.getLogger(__name__)
 
 
+OFF_LOOP_CHARS = 16384  # texts longer than this are tokenized on a worker thread
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the bytes one token stands for: its vocabulary entry's UTF-8 length
+    (byte-level BPE spells each byte with a character of 1-2 bytes; SentencePiece's marks and
+    <0xNN> byte tokens are longer than what they stand for)."""
+    if tokenizer is None:
+        return 1  # token ids only: no text prompt is tokenized
+    return max((len(t.encode()) for t in tokenizer.get_vocab()), default=1)
+
+
 class EngineDeadError(RuntimeError):
     """The engine-core process exited or stopped reporting."""
+
+
+class ServerShuttingDownError(EngineDeadError):
+    """The server stopped before the request finished (drain timeout or a second signal)."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -57,11 +73,16 @@ class AsyncLLM:
         tokenizer,
         max_pending_requests: int = 1024,
         max_pending_tokens: int = 1 << 20,
+        live_max_silence_s: float = 30.0,
     ) -> None:
         self.config = config
+        self.live_max_silence_s = live_max_silence_s
         self.max_pending_requests = max_pending_requests
         self.max_pending_tokens = max_pending_tokens
         self.num_pending_tokens = 0  # prompt tokens of requests in flight, times n
+        self.num_pending_seqs = 0  # sequences in flight: each request counts n times
+        # a text longer than this cannot fit max_model_len tokens: refused before tokenizing
+        self.max_prompt_chars = config.scheduler.max_model_len * max_token_bytes(tokenizer)
         self.source = source
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer, config.model_config.eos_token_ids)
@@ -81,6 +102,7 @@ class AsyncLLM:
         in_addr = f"ipc://{self._ipc_dir}/in"
         out_addr = f"ipc://{self._ipc_dir}/out"
         self._ctx = zmq.asyncio.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)  # never wait on a dead core at exit
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.bind(in_addr)
         self._out = self._ctx.socket(zmq.PULL)
@@ -111,6 +133,9 @@ class AsyncLLM:
         if getattr(self, "process", None) is not None and self.process.is_alive():
             self.process.terminate()
             await asyncio.to_thread(self.process.join, 5)
+            if self.process.is_alive():  # hung (or stopped): it must not outlive the server
+                self.process.kill()
+                await asyncio.to_thread(self.process.join, 5)
         if getattr(self, "_ctx", None) is not None:
             self._ctx.destroy(linger=0)
         with contextlib.suppress(OSError):
@@ -128,10 +153,50 @@ class AsyncLLM:
             return False
         return time.monotonic() - self.last_report <= max_silence_s
 
+    def is_live(self) -> bool:
+        """False once the core is dead, or silent (hung, stopped) for live_max_silence_s: the
+        liveness probes then fail, so an orchestrator restarts the server."""
+        return self.is_ready(self.live_max_silence_s)
+
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), "prompt")
         text, ids = self.processor.tokenize(prompt)
         validate_prompt(ids, self.max_model_len, self.config.model_config.vocab_size)
         return text, ids
+
+    def check_prompt_chars(self, num_chars: int, field: str) -> None:
+        """Refuse a text that cannot fit max_model_len tokens, before any work on it: each
+        token is at most max_token_bytes long, and a character is at least a byte."""
+        if num_chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                field,
+                f"{num_chars} characters cannot fit within max_model_len={self.max_model_len} "
+                "tokens",
+            )
+
+    async def tokenize_async(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        """tokenize(), off the event loop when the text is long enough to stall it."""
+        if isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS:
+            self.check_prompt_chars(len(prompt), "prompt")
+            return await asyncio.to_thread(self.tokenize, prompt)
+        return self.tokenize(prompt)
+
+    async def encode_chat(self, conversation: list[dict]) -> list[int]:
+        """A conversation's prompt token ids through the chat template (off the event loop
+        when long); InvalidRequestError when it cannot fit, or there is no template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("messages", "this model has no chat template")
+        num_chars = sum(len(m["content"]) for m in conversation)
+        self.check_prompt_chars(num_chars, "messages")
+
+        def encode() -> list[int]:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True
+            )
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        return await asyncio.to_thread(encode) if num_chars > OFF_LOOP_CHARS else encode()
 
     async def generate(
         self,
@@ -143,19 +208,25 @@ class AsyncLLM:
         """RequestOutputs as the request advances; the last one has `finished` set."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        text, ids = self.tokenize(prompt)
+        if params.n > self.max_pending_requests:
+            raise InvalidRequestError(
+                "n", f"{params.n} exceeds the server's {self.max_pending_requests} sequences"
+            )
+        text, ids = await self.tokenize_async(prompt)
         num_tokens = len(ids) * params.n
         if (
-            len(self.queues) >= self.max_pending_requests
+            self.num_pending_seqs + params.n > self.max_pending_requests
             or self.num_pending_tokens + num_tokens > self.max_pending_tokens
         ):
             raise EngineOverloadedError(
-                f"{len(self.queues)} requests and {self.num_pending_tokens} prompt tokens pending"
+                f"{self.num_pending_seqs} sequences and {self.num_pending_tokens} prompt tokens "
+                "pending"
             )
         children = self.processor.add_request(request_id, text, ids, params, priority)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         self.num_pending_tokens += num_tokens
+        self.num_pending_seqs += params.n
         finished = False
         try:
             await self._send(AddRequests([NewRequest.of(c) for c in children]))
@@ -168,6 +239,7 @@ class AsyncLLM:
         finally:
             self.queues.pop(request_id, None)
             self.num_pending_tokens -= num_tokens
+            self.num_pending_seqs -= params.n
             if not finished:  # disconnect, deadline or error: free its blocks now
                 await self.abort(request_id)
 
@@ -203,6 +275,11 @@ class AsyncLLM:
             queue = self.queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
+
+    def fail_requests(self, reason: str) -> None:
+        """End every request in flight with ServerShuttingDownError; their routes abort them."""
+        for queue in list(self.queues.values()):
+            queue.put_nowait(ServerShuttingDownError(reason))
 
     def _fail_all(self, reason: str) -> None:
         self.dead = reason

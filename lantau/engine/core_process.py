@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -46,9 +48,14 @@ def core_stats(core: EngineCore) -> StepStats:
 def run_engine_core(
     config: EngineConfig, source: ModelSource, input_addr: str, output_addr: str
 ) -> None:
-    """Process entry point. Exits when the frontend process goes away."""
+    """Process entry point. Exits when the frontend process goes away, however it went."""
     parent = os.getppid()
+    # NOTE: Ctrl-C reaches the whole process group; the frontend drains, then stops the core
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     ctx = zmq.Context()
+    # NOTE: linger 0: with the frontend gone, unsent messages must not hold the exit for ever
+    ctx.setsockopt(zmq.LINGER, 0)
     out_sock = ctx.socket(zmq.PUSH)
     out_sock.connect(output_addr)
     in_sock = ctx.socket(zmq.PULL)
@@ -78,6 +85,15 @@ def run_engine_core(
         if outputs or rejected or now - last_sent >= HEARTBEAT_S:
             out_sock.send(encoder.encode(CoreOutputs(outputs, core_stats(core), rejected)))
             last_sent = now
+
+
+def _exit_with_parent(parent: int, poll_s: float = 0.2) -> None:
+    """The watchdog: a frontend killed (SIGKILL, a crash) cannot stop its core, so the core
+    stops itself as soon as it is re-parented, whatever its main thread is doing."""
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    logger.error("the frontend process %d is gone; the engine core exits", parent)
+    os._exit(0)
 
 
 def _handle(core: EngineCore, msg, rejected: dict[str, str]) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lantau.engine.async_llm import AsyncLLM
+from lantau.server.auth import is_authorized, presented_key
 from lantau.server.openai_api import error_response, json_response, make_openai_router
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class ServerConfig:
     max_pending_requests: int = 1024  # admission: beyond these, 429
     max_pending_tokens: int = 1 << 20
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may take
+    live_max_silence_s: float = 30.0  # liveness fails once the core is silent this long
 
 
 @dataclass
@@ -68,21 +69,11 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         guarded = scope["type"] == "http" and scope["path"] not in OPEN_PATHS
-        if guarded and not _authorized(Headers(scope=scope), self.keys):
+        if guarded and not is_authorized(presented_key(Headers(scope=scope).get), self.keys):
             response = error_response(401, "missing or wrong API key", kind="authentication_error")
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
-
-
-def _authorized(headers: Headers, keys: tuple[str, ...]) -> bool:
-    given = headers.get("x-api-key", "")
-    auth = headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        given = auth[7:].strip()
-    # NOTE: compare against every key in constant time: no early exit leaks which matched
-    matches = [hmac.compare_digest(given.encode(), k.encode()) for k in keys]
-    return any(matches)
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState | None = None) -> FastAPI:
@@ -149,9 +140,10 @@ def _draining_server_class():
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """SIGTERM starts a drain: readiness goes false and new requests get 503 while the
-        in-flight ones finish (up to drain_timeout_s); then the server exits. A second
-        signal exits at once."""
+        """SIGTERM or SIGINT starts a drain: readiness goes false and new requests get 503
+        while the in-flight ones finish. At drain_timeout_s the rest end with an error (their
+        requests aborted in the core) and the server exits. A second signal ends them at once.
+        Signals are handled here, never re-raised: the caller still stops the engine core."""
 
         def __init__(self, config, engine: AsyncLLM, state: ServerState, drain_timeout_s: float):
             super().__init__(config)
@@ -160,7 +152,11 @@ def _draining_server_class():
 
         def handle_exit(self, sig, frame) -> None:
             if self.state.draining:
-                return super().handle_exit(sig, frame)
+                logger.warning("second signal: ending %d requests now", len(self.engine.queues))
+                self._loop.call_soon_threadsafe(self._stop, "the server was stopped")
+                return
+            logger.info("draining %d requests (up to %.0f s)", len(self.engine.queues),
+                        self.drain_timeout_s)  # fmt: skip
             self.state.draining = True
             self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
 
@@ -168,6 +164,13 @@ def _draining_server_class():
             deadline = self._loop.time() + self.drain_timeout_s
             while self.engine.queues and self._loop.time() < deadline:
                 await asyncio.sleep(0.05)
+            if not self.should_exit:
+                self._stop(f"the server's drain timeout ({self.drain_timeout_s:g} s) passed")
+
+        def _stop(self, reason: str) -> None:
+            if self.engine.queues:
+                logger.warning("%s: ending %d requests", reason, len(self.engine.queues))
+                self.engine.fail_requests(f"server shutting down: {reason}")
             self.should_exit = True
 
     return DrainingServer
@@ -187,6 +190,7 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
         load_tokenizer(source),
         max_pending_requests=config.max_pending_requests,
         max_pending_tokens=config.max_pending_tokens,
+        live_max_silence_s=config.live_max_silence_s,
     )
     await engine.start()
     state = ServerState()
@@ -200,10 +204,16 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
         else:
             grpc_server = await start_grpc_server(
                 engine, config.served_model_name, config.host, config.grpc_port,
-                app.state.is_ready,
+                app.state.is_ready, api_keys=config.api_keys,
+                max_message_bytes=config.max_body_bytes,
             )  # fmt: skip
     uvicorn_config = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level="warning", access_log=False
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,  # a connection still open after its request ended
     )
     server = _draining_server_class()(uvicorn_config, engine, state, config.drain_timeout_s)
 

@@ -23,6 +23,7 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
+from lantau.server.auth import is_authorized, presented_key
 from lantau.server.kserve_http import (
     MODEL_VERSION,
     OUTPUT_NAME,
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = 64 << 20  # responses: long texts with logprobs
 
 # which InferTensorContents field holds a datatype's values when they are not raw bytes
 CONTENTS_FIELDS = {
@@ -121,7 +122,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.model = model
 
     async def ServerLive(self, request, context) -> service_pb2.ServerLiveResponse:
-        return service_pb2.ServerLiveResponse(live=self.model.engine.dead is None)
+        return service_pb2.ServerLiveResponse(live=self.model.engine.is_live())
 
     async def ServerReady(self, request, context) -> service_pb2.ServerReadyResponse:
         return service_pb2.ServerReadyResponse(ready=self.model.is_ready())
@@ -228,15 +229,67 @@ async def abort(context: grpc.aio.ServicerContext, e: KServeError) -> None:
     await context.abort(grpc.StatusCode[e.code.name], str(e))
 
 
+class APIKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Every method but the health checks needs an API key (`authorization: Bearer KEY` or
+    `x-api-key` metadata); without one the call ends UNAUTHENTICATED before it is handled."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method.rsplit("/", 1)[-1] in OPEN_METHODS:
+            return handler
+        metadata = {k.lower(): v for k, v in details.invocation_metadata or ()}
+        if is_authorized(presented_key(metadata.get), self.keys):
+            return handler
+        return _refusal(handler)
+
+
+OPEN_METHODS = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # probes: no key
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends the call UNAUTHENTICATED."""
+
+    async def refuse(request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+
+    async def refuse_stream(requests, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+        yield  # an async generator, as a streaming handler must be
+
+    codecs = dict(
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, **codecs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse, **codecs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **codecs)
+    return grpc.unary_unary_rpc_method_handler(refuse, **codecs)
+
+
 async def start_grpc_server(
-    engine: AsyncLLM, model_name: str, host: str, port: int, is_ready: Callable[[], bool]
+    engine: AsyncLLM,
+    model_name: str,
+    host: str,
+    port: int,
+    is_ready: Callable[[], bool],
+    *,
+    api_keys: tuple[str, ...] = (),
+    max_message_bytes: int = 4 << 20,
 ) -> grpc.aio.Server:
-    """Serve `inference.GRPCInferenceService` on host:port; stop it with `await server.stop(s)`."""
+    """Serve `inference.GRPCInferenceService` on host:port; stop it with `await server.stop(s)`.
+    A request message is capped as an HTTP body is (`max_message_bytes`)."""
     server = grpc.aio.server(
-        options=[  # long prompts pass gRPC's 4 MiB default; the HTTP routes' limit holds here
+        interceptors=[APIKeyInterceptor(api_keys)] if api_keys else [],
+        options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ]
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ],
     )
     service = InferenceService(KServeModel(engine, model_name, is_ready))
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)

@@ -19,6 +19,7 @@ Errors are `{"error": message}`: 404 unknown model, 400 bad input, 503 not ready
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import importlib.metadata
@@ -26,7 +27,6 @@ import itertools
 import logging
 import math
 import struct
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -40,6 +40,8 @@ from lantau.engine.async_llm import EngineDeadError, EngineOverloadedError
 from lantau.errors import InvalidRequestError
 from lantau.outputs import RequestOutput
 from lantau.request import SamplingParams
+from lantau.server.body import RequestBodyError
+from lantau.server.body import read_body as read_raw_body
 
 if TYPE_CHECKING:
     from lantau.engine.async_llm import AsyncLLM
@@ -404,32 +406,10 @@ def flatten(data: Any) -> list:
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The body, refused past `max_bytes` before it is all read, and after decompression."""
-    too_large = KServeError(
-        ErrorCode.INVALID_ARGUMENT, f"request body exceeds {max_bytes} bytes", http_status=413
-    )
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > max_bytes:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    encoding = request.headers.get("content-encoding")
-    if encoding not in ("gzip", "deflate"):
-        return body
-    # 32 + MAX_WBITS: a gzip or zlib header, both of which tritonclient's options send
-    decompressor = zlib.decompressobj(32 + zlib.MAX_WBITS)
     try:
-        body = decompressor.decompress(body, max_bytes + 1)
-    except zlib.error as e:
-        raise invalid(f"bad {encoding} body: {e}") from None
-    if len(body) > max_bytes or decompressor.unconsumed_tail:
-        raise too_large
-    return body
+        return await read_raw_body(request, max_bytes)
+    except RequestBodyError as e:
+        raise KServeError(ErrorCode.INVALID_ARGUMENT, e.message, http_status=e.status) from None
 
 
 def split_infer_body(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
@@ -546,6 +526,8 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         watch.cancel()
         if not task.done():
             task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # let it finish cancelling: its cleanup aborts the request
     if task.cancelled():
         raise ClientDisconnected
     return task.result()
@@ -566,8 +548,8 @@ def make_kserve_router(
         return json_response(model.server_metadata())
 
     async def live() -> Response:
-        # a dead engine core cannot come back: let the orchestrator restart the process
-        return Response(status_code=200 if engine.dead is None else 503)
+        # a dead or hung engine core cannot come back: let the orchestrator restart the process
+        return Response(status_code=200 if engine.is_live() else 503)
 
     async def ready() -> Response:
         return Response(status_code=200 if is_ready() else 503)

@@ -21,6 +21,7 @@ from lantau.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedE
 from lantau.errors import InvalidRequestError
 from lantau.outputs import RequestOutput
 from lantau.request import SamplingParams
+from lantau.server.body import RequestBodyError, read_body
 
 _ids = itertools.count()
 
@@ -43,9 +44,10 @@ def json_response(body: dict) -> Response:
 
 
 async def read_json(request: Request, max_bytes: int) -> dict:
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise APIError(413, f"request body of {len(raw)} bytes exceeds {max_bytes}")
+    try:
+        raw = await read_body(request, max_bytes)
+    except RequestBodyError as e:
+        raise APIError(e.status, e.message) from None
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -181,7 +183,7 @@ class OpenAIServer:
         if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist", "model", "NotFoundError")
 
-    def chat_prompt(self, body: dict) -> dict:
+    def chat_prompt(self, body: dict) -> list[dict]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "messages: expected a non-empty list", "messages")
@@ -201,10 +203,7 @@ class OpenAIServer:
             conversation.append({"role": m["role"], "content": content})
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template", "messages")
-        text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
-        )
-        return {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        return conversation
 
     def completion_prompt(self, body: dict) -> str | dict:
         prompt = body.get("prompt")
@@ -224,12 +223,16 @@ class OpenAIServer:
             self.check_model(body)
             params = sampling_params_from(body, chat=chat)
             prompt = self.chat_prompt(body) if chat else self.completion_prompt(body)
+            if chat:  # the template and tokenizer run off the event loop when it is long
+                prompt = {"prompt_token_ids": await self.engine.encode_chat(prompt)}
             priority = _get(body, "priority", int, 0)
             stream = _get(body, "stream", bool, False)
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             deadline = _deadline(body, request)
         except APIError as e:
             return error_response(e.status, e.message, e.param, e.kind)
+        except InvalidRequestError as e:
+            return _error_for(e)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids)}"
         results = self.engine.generate(request_id, prompt, params, priority)
         try:  # the first output: admission, validation and engine errors surface before a stream
