@@ -77,6 +77,7 @@ def serve(args: argparse.Namespace) -> int:
         max_pending_requests=args.max_pending_requests,
         max_pending_tokens=args.max_pending_tokens,
         drain_timeout_s=args.drain_timeout,
+        live_max_silence_s=args.liveness_timeout,
     )
     engine_args = dict(
         model=args.model,
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-pending-requests", type=int, default=1024, help="then 429")
     p.add_argument("--max-pending-tokens", type=int, default=1 << 20, help="then 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
+    p.add_argument(
+        "--liveness-timeout", type=float, default=30.0, help="seconds of engine silence (hung)"
+    )
     p.set_defaults(func=serve)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)

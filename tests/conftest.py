@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 
 # Triton kernels run on CPU tensors through the interpreter; it must be chosen before any
 # module that defines a kernel is imported.
@@ -74,3 +76,37 @@ def interpreter_bf16_dot(monkeypatch):
         return original(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def _descendants() -> dict[int, str]:
+    import psutil
+
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        # multiprocessing's resource tracker lives as long as the test process, by design
+        if "resource_tracker" not in cmdline:
+            found[child.pid] = cmdline
+    return found
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_process_outlives_its_module():
+    """Every process a test module starts (servers, engine cores, browsers) is gone when the
+    module ends: one left behind is killed and fails the module's last test."""
+    import psutil
+
+    before = set(_descendants())
+    yield
+    deadline = time.monotonic() + 10
+    while (left := {p: c for p, c in _descendants().items() if p not in before}) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    for pid in left:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+    assert not left, f"processes outlived their test module: {left}"
