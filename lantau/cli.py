@@ -77,6 +77,8 @@ def serve(args: argparse.Namespace) -> int:
         max_pending_requests=args.max_pending_requests,
         max_pending_tokens=args.max_pending_tokens,
         drain_timeout_s=args.drain_timeout,
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
     )
     engine_args = dict(
         model=args.model,
@@ -134,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-pending-requests", type=int, default=1024, help="then 429")
     p.add_argument("--max-pending-tokens", type=int, default=1 << 20, help="then 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
+    p.add_argument("--max-n", type=int, default=128, help="samples a request may ask (n)")
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="top logprobs a token may ask (OpenAI's limits, 5 and 20, hold below it)",
+    )
     p.set_defaults(func=serve)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)
