@@ -78,6 +78,8 @@ def serve(args: argparse.Namespace) -> int:
         max_pending_tokens=args.max_pending_tokens,
         drain_timeout_s=args.drain_timeout,
         live_max_silence_s=args.liveness_timeout,
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
     )
     engine_args = dict(
         model=args.model,
@@ -137,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
     p.add_argument(
         "--liveness-timeout", type=float, default=30.0, help="seconds of engine silence (hung)"
+    )
+    p.add_argument("--max-n", type=int, default=128, help="samples a request may ask (n)")
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="top logprobs a token may ask (OpenAI's limits, 5 and 20, hold below it)",
     )
     p.set_defaults(func=serve)
 

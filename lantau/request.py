@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import enum
+import json
+import math
 from dataclasses import dataclass, field
 
 from lantau.errors import InvalidRequestError
+
+# integers cross to the engine core as msgpack: at most 64 bits
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+UINT64_MAX = 2**64 - 1
 
 
 class FinishReason(enum.StrEnum):
@@ -64,39 +70,63 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        checks = [
-            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+        for name, ok, message in self._checks():
+            if not ok:
+                shown = json.dumps(getattr(self, name), default=repr)
+                raise InvalidRequestError(name, f"{message}, got {shown[:80]}")
+
+    def _checks(self) -> list[tuple[str, bool, str]]:
+        """(field, holds, what it must be); numbers finite, integers within 64 bits."""
+        penalty = "must be in [-2, 2]"
+        return [
+            ("n", _is_int(self.n, 1), "must be an integer >= 1"),
+            ("max_tokens", _is_int(self.max_tokens, 1), "must be an integer >= 1"),
+            ("temperature", _is_number(self.temperature, 0.0), "must be a finite number >= 0"),
+            ("top_k", _is_int(self.top_k, -1), "must be -1, 0 or >= 1"),
+            ("top_p", _is_number(self.top_p, 0.0, 1.0) and self.top_p > 0, "must be in (0, 1]"),
+            ("min_p", _is_number(self.min_p, 0.0, 1.0), "must be in [0, 1]"),
             (
-                "max_tokens",
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                "must be an integer >= 1",
+                "repetition_penalty",
+                _is_number(self.repetition_penalty, 0.0) and self.repetition_penalty > 0,
+                "must be a finite number > 0",
             ),
-            ("temperature", self.temperature >= 0.0, "must be >= 0"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "must be -1, 0 or >= 1"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("presence_penalty", _is_number(self.presence_penalty, -2.0, 2.0), penalty),
+            ("frequency_penalty", _is_number(self.frequency_penalty, -2.0, 2.0), penalty),
+            (
+                "seed",
+                self.seed is None or _is_int(self.seed, INT64_MIN, UINT64_MAX),
+                "must be null or a 64-bit integer",
+            ),
             (
                 "logprobs",
-                self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-                "must be None or an integer >= 0",
+                self.logprobs is None or _is_int(self.logprobs, 0),
+                "must be null or an integer >= 0",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             (
                 "stop_token_ids",
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                all(_is_int(t, 0) for t in self.stop_token_ids),
                 "must be non-negative integers",
             ),
         ]
-        for name, ok, message in checks:
-            if not ok:
-                raise InvalidRequestError(name, f"{message}, got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value: object, low: int, high: int = INT64_MAX) -> bool:
+    """An int (not a bool) in [low, high]."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_number(value: object, low: float, high: float = math.inf) -> bool:
+    """A finite int or float (not a bool) in [low, high]."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return low <= value <= high  # NOTE: an int compares exactly, however large
 
 
 @dataclass

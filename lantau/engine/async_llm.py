@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 
+import jinja2
 import msgspec
 import zmq
 import zmq.asyncio
@@ -191,9 +192,14 @@ class AsyncLLM:
         self.check_prompt_chars(num_chars, "messages")
 
         def encode() -> list[int]:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True
-            )
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    conversation, tokenize=False, add_generation_prompt=True
+                )
+            except jinja2.TemplateError as e:  # the template's raise_exception (roles, order)
+                raise InvalidRequestError(
+                    "messages", f"refused by the chat template: {e}"
+                ) from None
             return self.tokenizer.encode(text, add_special_tokens=False)
 
         return await asyncio.to_thread(encode) if num_chars > OFF_LOOP_CHARS else encode()

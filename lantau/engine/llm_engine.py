@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from lantau.engine.detokenizer import IncrementalDetokenizer
 from lantau.errors import InvalidRequestError
 from lantau.outputs import CompletionOutput, RequestOutput
-from lantau.request import FinishReason, Request, SamplingParams
+from lantau.request import UINT64_MAX, FinishReason, Request, SamplingParams
 from lantau.scheduler.output import EngineCoreOutput
 
 if TYPE_CHECKING:  # NOTE: the frontend (AsyncLLM) imports this module, and must not load torch
@@ -79,6 +79,8 @@ class OutputProcessor:
             if params.n > 1:
                 # each sample its own seed stream; sample 0 matches the same seed with n=1
                 seed = None if params.seed is None else params.seed + i
+                if seed is not None and seed > UINT64_MAX:  # torch's seeds wrap at 64 bits
+                    seed -= UINT64_MAX + 1
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             logprobs = [] if params.logprobs is not None else None
             detok = None

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lantau.engine.async_llm import AsyncLLM
 from lantau.server.auth import is_authorized, presented_key
 from lantau.server.openai_api import error_response, json_response, make_openai_router
+from lantau.server.schemas import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,12 @@ class ServerConfig:
     max_pending_tokens: int = 1 << 20
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may take
     live_max_silence_s: float = 30.0  # liveness fails once the core is silent this long
+    max_n: int = 128  # samples one request may ask for (`n`)
+    max_logprobs: int = 20  # top logprobs one token may ask for (under OpenAI's own limits)
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(max_n=self.max_n, max_logprobs=self.max_logprobs)
 
 
 @dataclass
@@ -122,7 +129,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState | None 
         )
         return json_response(stats)
 
-    app.include_router(make_openai_router(engine, config.served_model_name, config.max_body_bytes))
+    app.include_router(
+        make_openai_router(engine, config.served_model_name, config.max_body_bytes, config.limits)
+    )
     try:
         from lantau.server.kserve_http import make_kserve_router
     except ImportError:  # NOTE: the KServe routes land separately; OpenAI serves without them

@@ -32,6 +32,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -39,9 +40,18 @@ from fastapi.responses import Response, StreamingResponse
 from lantau.engine.async_llm import EngineDeadError, EngineOverloadedError
 from lantau.errors import InvalidRequestError
 from lantau.outputs import RequestOutput
-from lantau.request import SamplingParams
+from lantau.request import INT64_MAX, INT64_MIN, UINT64_MAX, SamplingParams
 from lantau.server.body import RequestBodyError
 from lantau.server.body import read_body as read_raw_body
+from lantau.server.schemas import (
+    INFER_HEADER_DECODER,
+    OBJECT_DECODER,
+    InferHeader,
+    Scalar,
+    decode,
+    json_kind,
+)
+from lantau.server.schemas import convert as convert_field
 
 if TYPE_CHECKING:
     from lantau.engine.async_llm import AsyncLLM
@@ -53,6 +63,7 @@ T = TypeVar("T")
 MODEL_VERSION = "1"  # one version until the model repository serves several
 OUTPUT_NAME = "text_output"
 SERVER_EXTENSIONS = ("binary_tensor_data", "parameters", "model_configuration", "generate")
+GenerateParameters = dict[str, Scalar] | None
 
 
 # ---------------------------------------------------------------- protocol core (no HTTP)
@@ -209,7 +220,8 @@ def check_tensor(tensor: Tensor) -> Tensor:
 
 
 def convert(name: str, kind: type, value: Any) -> Any:
-    """One element as `kind`, or a 400 naming the input; bools are not numbers here."""
+    """One element as `kind`, or a 400 naming the input; bools are not numbers here, and
+    integers must fit the 64 bits the engine core's messages carry."""
     if kind is str and isinstance(value, bytes | str):
         try:
             return value.decode() if isinstance(value, bytes) else value
@@ -218,11 +230,23 @@ def convert(name: str, kind: type, value: Any) -> Any:
     is_number = isinstance(value, int | float) and not isinstance(value, bool)
     if kind is bool and (isinstance(value, bool) or (is_number and value in (0, 1))):
         return bool(value)
-    if kind is int and is_number and float(value).is_integer():
-        return int(value)
+    if kind is int and is_number and _is_integral(value):
+        if INT64_MIN <= value <= UINT64_MAX:
+            return int(value)
+        raise invalid(f"{name}: expected a 64-bit integer")
     if kind is float and is_number:
-        return float(value)
-    raise invalid(f"{name}: must be {kind.__name__}, got {value!r}")
+        try:
+            return float(value)
+        except OverflowError:  # an int past float's range
+            raise invalid(f"{name}: number out of range") from None
+    raise invalid(f"{name}: expected {KIND_NAMES[kind]}, got {json_kind(value)}")
+
+
+KIND_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
+
+
+def _is_integral(value: int | float) -> bool:
+    return isinstance(value, int) or value.is_integer()  # NaN and inf are not
 
 
 class KServeModel:
@@ -301,10 +325,13 @@ class KServeModel:
             params = SamplingParams(**kwargs)
         except InvalidRequestError as e:
             raise invalid(str(e)) from None
+        priority = convert("priority", int, parameters.get("priority", 0))
+        if priority > INT64_MAX:
+            raise invalid("priority: expected a signed 64-bit integer")
         return InferJob(
             prompt=values["text_input"],
             params=params,
-            priority=convert("priority", int, parameters.get("priority", 0)),
+            priority=priority,
             is_stream=values.get("stream", False),
             has_prompt_in_output=not values.get("exclude_input_in_output", True),
             output_shape=list(tensors["text_input"].shape),
@@ -388,21 +415,29 @@ def error_response(e: KServeError) -> Response:
     return response
 
 
-def read_json(data: bytes) -> dict:
+def decode_json(decoder: msgspec.json.Decoder[T], data: bytes) -> T:
+    """The typed body (server/schemas.py), or a 400 naming the bad field."""
     try:
-        body = orjson.loads(data)
-    except orjson.JSONDecodeError as e:
-        raise invalid(f"malformed JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    return body
+        return decode(decoder, data)
+    except InvalidRequestError as e:
+        raise invalid(str(e)) from None
 
 
 def flatten(data: Any) -> list:
     """JSON tensor data may be nested row-major lists; KServe allows both."""
     if not isinstance(data, list):
         return [data]
-    return [v for item in data for v in flatten(item)]
+    values: list = []
+    stack = [iter(data)]  # NOTE: a loop, not recursion: JSON may nest deeper than the stack
+    while stack:
+        item = next(stack[-1], stack)
+        if item is stack:  # that list is done
+            stack.pop()
+        elif isinstance(item, list):
+            stack.append(iter(item))
+        else:
+            values.append(item)
+    return values
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -412,58 +447,47 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         raise KServeError(ErrorCode.INVALID_ARGUMENT, e.message, http_status=e.status) from None
 
 
-def split_infer_body(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
+def split_infer_body(body: bytes, header_length: str | None) -> tuple[InferHeader, bytes]:
     """(JSON header, binary tail): the binary tensor extension puts raw tensors after the JSON."""
     if header_length is None:
-        return read_json(body), b""
+        return decode_json(INFER_HEADER_DECODER, body), b""
     if not header_length.isdigit() or int(header_length) > len(body):
         raise invalid(f"Inference-Header-Content-Length {header_length!r} is not in the body")
     size = int(header_length)
-    return read_json(body[:size]), body[size:]
+    return decode_json(INFER_HEADER_DECODER, body[:size]), body[size:]
 
 
-def decode_http_inputs(header: dict, binary: bytes) -> list[Tensor]:
+def decode_http_inputs(header: InferHeader, binary: bytes) -> list[Tensor]:
     """The request's inputs; binary ones take their `binary_data_size` bytes in order."""
-    inputs = header.get("inputs")
-    if not isinstance(inputs, list):
-        raise invalid("inputs: must be a list of tensors")
     tensors, offset = [], 0
-    for item in inputs:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise invalid("inputs: each tensor needs a name")
-        name, datatype = item["name"], item.get("datatype")
-        size = (item.get("parameters") or {}).get("binary_data_size")
+    for item in header.inputs:
+        name, datatype = item.name, item.datatype
+        size = item.parameters and item.parameters.binary_data_size
         if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
-                raise invalid(f"{name}: binary_data_size {size!r} runs past the body")
+            if offset + size > len(binary):
+                raise invalid(f"{name}: binary_data_size {size} runs past the body")
             values = decode_raw_tensor(name, datatype, binary[offset : offset + size])
             offset += size
-        elif "data" in item:
-            values = flatten(item["data"])
+        elif item.data is not None:
+            values = flatten(item.data)
             if datatype == "BYTES":  # JSON carries BYTES elements as strings
                 values = [v.encode() if isinstance(v, str) else v for v in values]
         else:
             raise invalid(f"{name}: neither data nor binary_data_size")
-        shape = item.get("shape")
-        if not isinstance(shape, list):
-            raise invalid(f"{name}: shape must be a list")
-        tensors.append(check_tensor(Tensor(name, datatype, shape, values)))
+        tensors.append(check_tensor(Tensor(name, datatype, item.shape, values)))
     if offset != len(binary):
         raise invalid(f"{len(binary) - offset} bytes of binary data belong to no input")
     return tensors
 
 
-def wants_binary_output(header: dict) -> bool:
+def wants_binary_output(header: InferHeader) -> bool:
     """As tritonclient asks: per requested output, else the request's binary_data_output."""
-    is_binary = bool((header.get("parameters") or {}).get("binary_data_output", False))
-    outputs = header.get("outputs") or []
-    if not isinstance(outputs, list):
-        raise invalid("outputs: must be a list")
-    for output in outputs:
-        name = output.get("name") if isinstance(output, dict) else None
-        if name != OUTPUT_NAME:
-            raise invalid(f"unexpected inference output '{name}'")
-        is_binary = bool((output.get("parameters") or {}).get("binary_data", is_binary))
+    is_binary = bool((header.parameters or {}).get("binary_data_output", False))
+    for output in header.outputs or ():
+        if output.name != OUTPUT_NAME:
+            raise invalid(f"unexpected inference output '{output.name}'")
+        if output.parameters is not None and output.parameters.binary_data is not None:
+            is_binary = output.parameters.binary_data
     return is_binary
 
 
@@ -575,18 +599,20 @@ def make_kserve_router(
         )
         inputs = decode_http_inputs(header, binary)
         is_binary = wants_binary_output(header)
-        job = model.build_job(inputs, header.get("parameters") or {}, header.get("id", ""))
+        job = model.build_job(inputs, header.parameters or {}, header.id or "")
         text = await cancel_on_disconnect(request, model.complete(job))
         return infer_response(model, job, text, is_binary)
 
     async def parse_generate(name: str, request: Request, version: str) -> InferJob:
         model.check_model(name, version)
         model.check_ready()
-        body = read_json(await read_body(request, max_body_bytes))
-        parameters = body.get("parameters") or {}
-        if not isinstance(parameters, dict):
-            raise invalid("parameters: must be an object")
-        return model.build_job(generate_inputs(body), parameters, body.get("id", ""))
+        body = decode_json(OBJECT_DECODER, await read_body(request, max_body_bytes))
+        try:
+            parameters = convert_field(body.get("parameters"), GenerateParameters, "parameters")
+            client_id = convert_field(body.get("id"), str | None, "id")
+        except InvalidRequestError as e:
+            raise invalid(str(e)) from None
+        return model.build_job(generate_inputs(body), parameters or {}, client_id or "")
 
     def generate_body(job: InferJob, text: str) -> dict:
         body = {"model_name": model.name, "model_version": MODEL_VERSION, OUTPUT_NAME: text}

@@ -1,7 +1,8 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming).
 
-Request bodies are parsed with orjson and checked by hand into SamplingParams: no pydantic on
-the hot path. Streamed chunks are pre-encoded bytes. Errors have OpenAI's shape.
+Request bodies are decoded from their bytes into msgspec Structs (server/schemas.py), then into
+SamplingParams: no pydantic on the hot path; a malformed field is a 400 naming it. Streamed
+chunks are pre-encoded bytes. Errors have OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +23,16 @@ from lantau.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedE
 from lantau.errors import InvalidRequestError
 from lantau.outputs import RequestOutput
 from lantau.request import SamplingParams
-from lantau.server.body import RequestBodyError, read_body
+from lantau.server.body import RequestBodyError
+from lantau.server.body import read_body as read_raw_body
+from lantau.server.schemas import (
+    CHAT_DECODER,
+    COMPLETION_DECODER,
+    ChatRequest,
+    CompletionRequest,
+    RequestLimits,
+    decode,
+)
 
 _ids = itertools.count()
 
@@ -43,69 +54,63 @@ def json_response(body: dict) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-async def read_json(request: Request, max_bytes: int) -> dict:
+async def read_body(request: Request, max_bytes: int) -> bytes:
     try:
-        raw = await read_body(request, max_bytes)
+        return await read_raw_body(request, max_bytes)
     except RequestBodyError as e:
         raise APIError(e.status, e.message) from None
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise APIError(400, f"malformed JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+
+
+def parse_request(
+    raw: bytes, *, chat: bool, limits: RequestLimits
+) -> ChatRequest | CompletionRequest:
+    """The body as a typed request within the server's limits, or InvalidRequestError
+    naming the field."""
+    body = decode(CHAT_DECODER if chat else COMPLETION_DECODER, raw)
+    if body.n is not None and body.n > limits.max_n:
+        raise InvalidRequestError("n", f"must be <= {limits.max_n} on this server (--max-n)")
+    if chat:
+        name, num_logprobs = "top_logprobs", body.top_logprobs
+    else:
+        name, num_logprobs = "logprobs", body.logprobs
+    if num_logprobs is not None and num_logprobs > limits.max_logprobs:
+        raise InvalidRequestError(
+            name, f"must be <= {limits.max_logprobs} on this server (--max-logprobs)"
+        )
     return body
 
 
-def _get(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if (
-        isinstance(value, bool)
-        and kind is not bool
-        and bool not in (kind if isinstance(kind, tuple) else (kind,))
-    ):
-        raise APIError(400, f"{name}: expected {getattr(kind, '__name__', kind)}", name)
-    if not isinstance(value, kind):
-        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise APIError(400, f"{name}: expected {names}, got {type(value).__name__}", name)
-    return value
+def _first(*values: Any) -> Any:
+    """The first value that is not None (null in a body means "the default")."""
+    return next(v for v in values if v is not None)
 
 
-def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
-    """OpenAI fields (plus vLLM's extras: top_k, min_p, repetition_penalty, ignore_eos)."""
-    num = (int, float)
-    max_tokens = _get(body, "max_completion_tokens", int) if chat else None
-    max_tokens = max_tokens or _get(body, "max_tokens", int, 16 if not chat else 512)
-    stop = _get(body, "stop", (str, list), ())
-    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-        raise APIError(400, "stop: expected a string or a list of strings", "stop")
-    if chat:
-        logprobs = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool) else None
+def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParams:
+    """OpenAI fields (plus vLLM's extras: top_k, min_p, repetition_penalty, ignore_eos);
+    InvalidRequestError names a field out of range."""
+    if isinstance(body, ChatRequest):
+        # NOTE: max_completion_tokens replaces max_tokens; 0 is refused by the schema
+        max_tokens = _first(body.max_completion_tokens, body.max_tokens, 512)
+        logprobs = _first(body.top_logprobs, 0) if body.logprobs else None
     else:
-        logprobs = _get(body, "logprobs", int)
-    try:
-        return SamplingParams(
-            n=_get(body, "n", int, 1),
-            max_tokens=max_tokens,
-            temperature=float(_get(body, "temperature", num, 1.0)),
-            top_p=float(_get(body, "top_p", num, 1.0)),
-            top_k=_get(body, "top_k", int, 0),
-            min_p=float(_get(body, "min_p", num, 0.0)),
-            repetition_penalty=float(_get(body, "repetition_penalty", num, 1.0)),
-            presence_penalty=float(_get(body, "presence_penalty", num, 0.0)),
-            frequency_penalty=float(_get(body, "frequency_penalty", num, 0.0)),
-            seed=_get(body, "seed", int),
-            stop=stop,
-            stop_token_ids=_get(body, "stop_token_ids", list, ()),
-            ignore_eos=_get(body, "ignore_eos", bool, False),
-            logprobs=logprobs,
-        )
-    except InvalidRequestError as e:
-        raise APIError(400, str(e), e.field) from None
-    except TypeError as e:
-        raise APIError(400, str(e)) from None
+        max_tokens = _first(body.max_tokens, 16)
+        logprobs = body.logprobs
+    return SamplingParams(
+        n=_first(body.n, 1),
+        max_tokens=max_tokens,
+        temperature=_first(body.temperature, 1.0),
+        top_p=_first(body.top_p, 1.0),
+        top_k=_first(body.top_k, 0),
+        min_p=_first(body.min_p, 0.0),
+        repetition_penalty=_first(body.repetition_penalty, 1.0),
+        presence_penalty=_first(body.presence_penalty, 0.0),
+        frequency_penalty=_first(body.frequency_penalty, 0.0),
+        seed=body.seed,
+        stop=_first(body.stop, ()),
+        stop_token_ids=_first(body.stop_token_ids, ()),
+        ignore_eos=_first(body.ignore_eos, False),
+        logprobs=logprobs,
+    )
 
 
 def _logprobs_chat(output, tokenizer, num_top: int) -> dict | None:
@@ -172,67 +177,61 @@ def _held_back(params: SamplingParams) -> int:
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLM, model_name: str, max_body_bytes: int) -> None:
+    def __init__(
+        self, engine: AsyncLLM, model_name: str, max_body_bytes: int, limits: RequestLimits
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
+        self.limits = limits
         self.tokenizer = engine.tokenizer
 
-    def check_model(self, body: dict) -> None:
-        model = body.get("model")
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist", "model", "NotFoundError")
 
-    def chat_prompt(self, body: dict) -> list[dict]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "messages: expected a non-empty list", "messages")
+    def chat_prompt(self, body: ChatRequest) -> list[dict]:
+        """The conversation, for AsyncLLM.encode_chat (the template runs there)."""
+        if body.messages is None:
+            raise InvalidRequestError("messages", "required")
         conversation = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise APIError(400, "messages: each needs a string role", "messages")
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(
-                    p.get("text", "")
-                    for p in content
-                    if isinstance(p, dict) and p.get("type") == "text"
-                )
-            if not isinstance(content, str):
-                raise APIError(400, "messages: content must be a string or text parts", "messages")
-            conversation.append({"role": m["role"], "content": content})
+        for m in body.messages:
+            content = m.content
+            if not isinstance(content, str):  # content parts: keep the text ones
+                content = "".join(p.text or "" for p in content if p.type == "text")
+            conversation.append({"role": m.role, "content": content})
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template", "messages")
         return conversation
 
-    def completion_prompt(self, body: dict) -> str | dict:
-        prompt = body.get("prompt")
+    def completion_prompt(self, body: CompletionRequest) -> str | dict:
+        prompt = body.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
+            prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             return prompt
-        if isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return {"prompt_token_ids": prompt}
-        raise APIError(400, "prompt: expected a string or a list of token ids", "prompt")
+        raise InvalidRequestError("prompt", "expected a string or a list of token ids")
 
     async def handle(self, request: Request, *, chat: bool) -> Response:
         try:
-            body = await read_json(request, self.max_body_bytes)
-            self.check_model(body)
-            params = sampling_params_from(body, chat=chat)
+            body = parse_request(
+                await read_body(request, self.max_body_bytes), chat=chat, limits=self.limits
+            )
+            self.check_model(body.model)
+            params = sampling_params_from(body)
             prompt = self.chat_prompt(body) if chat else self.completion_prompt(body)
             if chat:  # the template and tokenizer run off the event loop when it is long
                 prompt = {"prompt_token_ids": await self.engine.encode_chat(prompt)}
-            priority = _get(body, "priority", int, 0)
-            stream = _get(body, "stream", bool, False)
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            deadline = _deadline(body, request)
+            priority = _first(body.priority, 0)
+            stream = _first(body.stream, False)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            deadline = _deadline(body.timeout, request.headers.get("x-request-timeout"))
         except APIError as e:
             return error_response(e.status, e.message, e.param, e.kind)
         except InvalidRequestError as e:
-            return _error_for(e)
+            return error_response(400, str(e), e.field)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids)}"
         results = self.engine.generate(request_id, prompt, params, priority)
         try:  # the first output: admission, validation and engine errors surface before a stream
@@ -351,19 +350,20 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]):
             await rest.aclose()
 
 
-def _deadline(body: dict, request: Request) -> float | None:
-    """Loop time by which the request must finish: `timeout` (s) in the body or the
-    `x-request-timeout` header."""
-    timeout = body.get("timeout", request.headers.get("x-request-timeout"))
+def _deadline(timeout: float | None, header: str | None) -> float | None:
+    """Loop time by which the request must finish: the shorter of `timeout` (s) in the body
+    and the `x-request-timeout` header."""
+    if header is not None:
+        try:
+            seconds = float(header)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise InvalidRequestError("x-request-timeout", "expected a number of seconds > 0")
+        timeout = seconds if timeout is None else min(timeout, seconds)
     if timeout is None:
         return None
-    try:
-        seconds = float(timeout)
-    except (TypeError, ValueError):
-        raise APIError(400, "timeout: expected a number of seconds", "timeout") from None
-    if not seconds > 0:
-        raise APIError(400, "timeout: must be > 0", "timeout")
-    return asyncio.get_running_loop().time() + seconds
+    return asyncio.get_running_loop().time() + timeout
 
 
 def _error_for(e: BaseException) -> Response:
@@ -416,8 +416,13 @@ async def _collect_unless_disconnected(
         await results.aclose()
 
 
-def make_openai_router(engine: AsyncLLM, model_name: str, max_body_bytes: int) -> APIRouter:
-    server = OpenAIServer(engine, model_name, max_body_bytes)
+def make_openai_router(
+    engine: AsyncLLM,
+    model_name: str,
+    max_body_bytes: int,
+    limits: RequestLimits | None = None,
+) -> APIRouter:
+    server = OpenAIServer(engine, model_name, max_body_bytes, limits or RequestLimits())
     router = APIRouter()
 
     @router.get("/v1/models")

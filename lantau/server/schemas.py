@@ -1,0 +1,204 @@
+"""Typed request bodies: msgspec Structs decoded straight from the body bytes.
+
+Every field a route reads is declared here with its JSON type and 64-bit bounds, so a wrong
+type at any depth, an integer past 64 bits or a float where a count belongs is a 400 naming the
+field (`messages[0].content[1].text: expected a string or null, got an integer`), never a 500.
+Ranges that the offline API shares (temperature >= 0, finite numbers, ...) stay in
+SamplingParams; limits a server sets (`max_n`, `max_logprobs`) are checked by the routes.
+Unknown fields are ignored, as OpenAI clients send many.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+from lantau.errors import InvalidRequestError
+from lantau.request import INT64_MAX, INT64_MIN
+
+T = TypeVar("T")
+
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # the engine checks it against the vocab
+Seconds = Annotated[float, Meta(gt=0)]
+
+# OpenAI's own bounds on logprobs; a server's --max-logprobs may lower them
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of a server (`lantau serve --max-n / --max-logprobs`)."""
+
+    max_n: int = 128
+    max_logprobs: int = 20
+
+
+# ---------------------------------------------------------------- OpenAI
+
+
+class StreamOptions(Struct):
+    include_usage: bool | None = None
+
+
+class ContentPart(Struct):
+    type: str
+    text: str | None = None  # only `text` parts are read; others (images) are ignored
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str | list[ContentPart]
+
+
+class OpenAIRequest(Struct):
+    """The fields both OpenAI routes share (with vLLM's extras: top_k, min_p, ...); null means
+    the default, as if the field were absent."""
+
+    model: str | None = None
+    n: PositiveInt | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    priority: Int64 | None = None
+    timeout: Seconds | None = None
+
+
+class CompletionRequest(OpenAIRequest):
+    # a string, token ids, or a batch of one of either
+    prompt: str | list[str | TokenId | list[TokenId]] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+
+
+class ChatRequest(OpenAIRequest):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+
+
+# ---------------------------------------------------------------- KServe v2 HTTP
+
+Scalar = bool | int | float | str  # KServe parameter values
+
+
+class TensorParameters(Struct):
+    binary_data_size: Annotated[int, Meta(ge=0, le=INT64_MAX)] | None = None
+    binary_data: bool | None = None
+
+
+class InferInputTensor(Struct):
+    name: str
+    datatype: str
+    shape: list[Annotated[int, Meta(ge=0, le=INT64_MAX)]]
+    data: Any = None  # nested row-major lists of scalars; None: binary_data_size says where
+    parameters: TensorParameters | None = None
+
+
+class InferOutputTensor(Struct):
+    name: str
+    parameters: TensorParameters | None = None
+
+
+class InferHeader(Struct):
+    """An infer request's JSON (the header, with the binary tensor extension)."""
+
+    inputs: list[InferInputTensor]
+    outputs: list[InferOutputTensor] | None = None
+    id: str | None = None
+    parameters: dict[str, Scalar] | None = None
+
+
+# ---------------------------------------------------------------- decoding
+
+COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
+CHAT_DECODER = msgspec.json.Decoder(ChatRequest)
+INFER_HEADER_DECODER = msgspec.json.Decoder(InferHeader)
+OBJECT_DECODER = msgspec.json.Decoder(dict[str, Any])
+
+
+def decode(decoder: msgspec.json.Decoder[T], raw: bytes) -> T:
+    """The typed request, or InvalidRequestError naming the field ("body" for the whole)."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError as e:
+        raise invalid_from(e) from None
+    except msgspec.DecodeError as e:
+        raise InvalidRequestError("body", f"malformed JSON: {e}") from None
+    except RecursionError:  # msgspec recurses once per nesting level
+        raise InvalidRequestError("body", "nested too deeply") from None
+
+
+def convert(value: Any, kind: type[T], field: str) -> T:
+    """A decoded value as `kind` (the same rules as `decode`), errors under `field`."""
+    try:
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError as e:
+        raise invalid_from(e, field) from None
+
+
+_LOCATED = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_FIELD = re.compile(r"^Object (?:missing required|contains unknown) field `(?P<name>[^`]*)`$")
+_TYPES = re.compile(r"`([^`]*)`")
+JSON_TYPES = {
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "a boolean",
+    "null": "null",
+    "array": "an array",
+    "object": "an object",
+    "bytes": "bytes",
+}
+
+
+def invalid_from(e: msgspec.ValidationError, prefix: str = "") -> InvalidRequestError:
+    """msgspec's "Expected `int`, got `str` - at `$.a[0].b`" as field `a[0].b` and
+    "expected an integer, got a string"."""
+    match = _LOCATED.match(str(e))
+    assert match is not None  # the pattern matches any text
+    path = prefix + (match["path"] or "")
+    message = match["message"]
+    if named := _FIELD.match(message):  # the message names a field inside `path`
+        path = f"{path}.{named['name']}"
+        message = "required" if "missing" in message else "unknown field"
+    message = _TYPES.sub(lambda m: " or ".join(_type_name(t) for t in m[1].split(" | ")), message)
+    return InvalidRequestError(path.lstrip(".") or "body", message[:1].lower() + message[1:])
+
+
+def _type_name(name: str) -> str:
+    return JSON_TYPES.get(name, name)
+
+
+def json_kind(value: Any) -> str:
+    """A Python value's JSON type, in words: "an integer", "null", ..."""
+    for kind, name in (
+        (type(None), "null"),
+        (bool, "bool"),
+        (int, "int"),
+        (float, "float"),
+        (str, "str"),
+        (bytes, "bytes"),
+        (list | tuple, "array"),
+        (dict, "object"),
+    ):
+        if isinstance(value, kind):
+            return JSON_TYPES[name]
+    return type(value).__name__
