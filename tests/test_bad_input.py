@@ -61,6 +61,14 @@ def assert_untouched(llm: LLM) -> None:
         (dict(min_p=2.0), "min_p"),
         (dict(logprobs=-1), "logprobs"),
         (dict(stop=[""]), "stop"),
+        (dict(temperature=math.inf), "temperature"),
+        (dict(repetition_penalty=math.inf), "repetition_penalty"),
+        (dict(presence_penalty=math.nan), "presence_penalty"),
+        (dict(top_p=math.nan), "top_p"),
+        (dict(seed=2**64), "seed"),
+        (dict(max_tokens=2**63), "max_tokens"),
+        (dict(stop_token_ids=[2**63]), "stop_token_ids"),
+        (dict(n=True), "n"),
     ],
 )
 def test_bad_sampling_params(kwargs, field):
