@@ -451,7 +451,8 @@ def split_infer_body(body: bytes, header_length: str | None) -> tuple[InferHeade
     """(JSON header, binary tail): the binary tensor extension puts raw tensors after the JSON."""
     if header_length is None:
         return decode_json(INFER_HEADER_DECODER, body), b""
-    if not header_length.isdigit() or int(header_length) > len(body):
+    # NOTE: isdigit() alone passes "²", which int() refuses
+    if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
         raise invalid(f"Inference-Header-Content-Length {header_length!r} is not in the body")
     size = int(header_length)
     return decode_json(INFER_HEADER_DECODER, body[:size]), body[size:]

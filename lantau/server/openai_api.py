@@ -212,7 +212,7 @@ class OpenAIServer:
             return prompt
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return {"prompt_token_ids": prompt}
-        raise InvalidRequestError("prompt", "expected a string or a list of token ids")
+        raise InvalidRequestError("prompt", "expected a string or an array of token ids")
 
     async def handle(self, request: Request, *, chat: bool) -> Response:
         try:
