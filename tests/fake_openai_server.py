@@ -39,6 +39,8 @@ class FakeOpenAIServer:
         self.max_in_flight = 0
         self.bodies: list[dict] = []  # every request but the probe, in arrival order
         self.arrivals: list[float] = []  # perf_counter when each body was read
+        # each stream as sent: prompt -> (its arrival, perf_counter after each text chunk)
+        self.streams: dict[tuple, tuple[float, list[float]]] = {}
         self.num_metrics_scrapes = 0
 
     def __enter__(self) -> FakeOpenAIServer:
@@ -111,6 +113,9 @@ class FakeOpenAIServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         num_chunks = -(-body["max_tokens"] // script.tokens_per_chunk)
+        sent: list[float] = []
+        if not is_probe(body):
+            self.streams[tuple(body["prompt"])] = (start, sent)
         for k in range(num_chunks):
             if k == script.break_after:
                 request.transport.close()
@@ -122,6 +127,7 @@ class FakeOpenAIServer:
             await asyncio.sleep(max(0.0, delay))
             choice = {"index": 0, "text": "x" * script.tokens_per_chunk, "finish_reason": None}
             await resp.write(_event({"object": "text_completion", "choices": [choice]}))
+            sent.append(time.perf_counter())
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
         await resp.write(_event({"choices": [], "usage": usage}))
         await resp.write(b"data: [DONE]\n\n")
