@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 
 import numpy as np
 import pytest
 
+from lantau.bench import report
 from lantau.bench.monitor import parse_prometheus
+from lantau.bench.report import headline
 from lantau.bench.serve import (
     ServeConfig,
     arrival_times,
@@ -348,6 +351,7 @@ def test_cli_sweep_stops_at_the_first_slo_miss(tmp_path, capsys):
     assert result["max_rate_meeting_slo"] == 4
     assert [r["summary"]["meets_slo"] for r in result["runs"]] == [True, False]
     assert "Highest rate meeting the SLO" in capsys.readouterr().out
+    assert headline(result)["rate"] == 4  # the before/after figures: the best rate's run
     for name in ("latency_vs_rate.png", "throughput_vs_rate.png", "report.html"):
         assert (tmp_path / name).exists()
 
@@ -355,7 +359,6 @@ def test_cli_sweep_stops_at_the_first_slo_miss(tmp_path, capsys):
 def test_against_lantau_serve(tmp_path):
     """End to end: the CLI against a real `lantau serve` on CPU, a handful of requests."""
     import subprocess
-    import sys
 
     from tests.test_openai_server import free_port, wait_ready
 
@@ -385,3 +388,14 @@ def test_against_lantau_serve(tmp_path):
     assert result["config"]["model"] == "random:tiny"
     for name in ("report.md", "report.html", "latency_cdf.png"):
         assert (tmp_path / name).exists()
+
+
+def test_report_without_matplotlib(tmp_path, monkeypatch, caplog):
+    """The GPU image may lack matplotlib: the report is written, the PNGs skipped with a log."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    with FakeOpenAIServer(lambda body: Script(ttft_s=0.01, itl_s=0.002)) as server:
+        result = run_serve(config(server, num_requests=2)).to_dict()
+    paths = report.write_report(result, tmp_path)
+    assert [p.name for p in paths] == ["report.html", "report.md", "results.json"]
+    assert "no plots" in (tmp_path / "report.md").read_text()
+    assert "matplotlib is not installed" in caplog.text

@@ -61,6 +61,11 @@ def _fmt(value, digits: int = 1, unit: str = "") -> str:
     return f"{value:,.{digits}f}{unit}"
 
 
+def _fmt_rate(rate) -> str:
+    """An offered rate: "inf" (the JSON form of an infinite rate) is "all at once"."""
+    return "all at once" if rate == "inf" else f"{rate:g} req/s"
+
+
 def _ratio(before, after, higher_is_better: bool) -> str:
     if not before or not after:
         return "-"
@@ -80,7 +85,7 @@ def before_after_blocks(before: dict, after: dict) -> list[Block]:
         [row, _fmt(b[key], digits, unit), _fmt(a[key], digits, unit), _ratio(b[key], a[key], up)]
         for row, key, digits, unit, up in figures
     ]
-    note = f"before: rate {_fmt(b['rate'], 3)}; after: rate {_fmt(a['rate'], 3)} (req/s offered)"
+    note = f"offered: before {_fmt_rate(b['rate'])}, after {_fmt_rate(a['rate'])}"
     return [
         ("h2", "Before / after"),
         ("table", ["figure", "before", "after", "change"], rows),
@@ -88,12 +93,13 @@ def before_after_blocks(before: dict, after: dict) -> list[Block]:
     ]
 
 
-def _config_line(run: dict) -> str:
+def _config_line(run: dict, rates: str | None = None) -> str:
     c = run["config"]
+    rates = rates or _fmt_rate(c["rate"])
     loop = f"concurrency {c['concurrency']}" if c["concurrency"] else "no concurrency cap"
     return (
         f"{c['base_url']}{c['endpoint']} model {c['model']}, workload {c['workload']}, "
-        f"{run['summary']['num_requests']} requests, rate {_fmt(c['rate'], 3)} req/s, {loop}, "
+        f"{run['summary']['num_requests']} requests a run, {rates}, {loop}, "
         f"seed {c['seed']}; SLO: {c['slo']}; started {run['started_at']}"
     )
 
@@ -153,19 +159,29 @@ def sweep_blocks(result: dict) -> list[Block]:
     rows = []
     for run in runs:
         s = run["summary"]
-        rows.append([_fmt(run["config"]["rate"], 3), _fmt(s["request_throughput"], 2),
+        rows.append([_fmt_rate(run["config"]["rate"]), _fmt(s["request_throughput"], 2),
                      _fmt(s["output_throughput"], 0), _fmt(s["goodput"], 2),
                      _fmt(s["ttft"]["p50"], 1), _fmt(s["ttft"]["p95"], 1),
                      _fmt(s["tpot"]["p95"], 2), _fmt(s["itl"]["p95"], 2), _fmt(s["e2e"]["p95"], 0),
                      _fmt(run["gpu_util_mean"], 1, " %"), str(s["num_errors"]),
                      "met" if s["meets_slo"] else "missed"])  # fmt: skip
-    verdict = f"{_fmt(best, 3)} req/s" if best is not None else "none of the rates tried"
+    if best is None:
+        verdict = "none of the rates tried"
+    elif runs[-1]["summary"]["meets_slo"]:
+        verdict = f"{_fmt_rate(best)} (every rate tried met it)"
+    else:
+        verdict = _fmt_rate(best)
+    rates = "rates " + ", ".join(_fmt_rate(r["config"]["rate"]) for r in runs)
     return [
         ("h1", f"lantau bench sweep: {runs[0]['config']['workload']}"),
-        ("p", _config_line(runs[0])),
+        ("p", _config_line(runs[0], rates)),
         ("p", f"Highest rate meeting the SLO ({result['slo']}): {verdict}"),
-        ("table", ["rate (req/s)", *header[1:]], rows),
-        ("p", "Latencies in ms; the last run is the first that missed the SLO, if any did."),
+        ("table", ["offered", *header[1:]], rows),
+        (
+            "p",
+            "Latencies in ms; the last run is the first that missed the SLO, if any did; "
+            "each run draws new prompts (seed + its place).",
+        ),  # fmt: skip
     ]
 
 
@@ -184,11 +200,6 @@ def _pyplot():
     return plt
 
 
-def _rate_label(run: dict) -> str:
-    rate = run["config"]["rate"]
-    return "all at once" if rate == "inf" else f"{rate:g} req/s"
-
-
 def plot_cdfs(runs: list[dict], path: Path, plt) -> None:
     """Each latency's empirical CDF over the completed requests, a line per run."""
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
@@ -202,7 +213,7 @@ def plot_cdfs(runs: list[dict], path: Path, plt) -> None:
             values = sorted(1000 * v for v in values)
             if values:
                 frac = [(i + 1) / len(values) for i in range(len(values))]
-                ax.step(values, frac, where="post", label=_rate_label(run))
+                ax.step(values, frac, where="post", label=_fmt_rate(run["config"]["rate"]))
         ax.set(title=f"{label} CDF", xlabel="ms", ylabel="fraction of samples")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
@@ -216,7 +227,7 @@ def plot_gpu_util(runs: list[dict], path: Path, plt) -> None:
     for run in runs:
         if run["gpu_util"]:
             times, utils = zip(*run["gpu_util"], strict=True)
-            ax.plot(times, utils, label=_rate_label(run))
+            ax.plot(times, utils, label=_fmt_rate(run["config"]["rate"]))
     ax.set(title="GPU utilisation (NVML)", xlabel="s from the run's start", ylabel="%",
            ylim=(0, 105))  # fmt: skip
     ax.legend(fontsize=8)
@@ -230,7 +241,7 @@ def plot_sweep(runs: list[dict], latency_path: Path, throughput_path: Path, plt)
     """P50/P95 of each latency and the achieved throughput against the offered rate (one tick
     a run, so "all at once" has a place)."""
     xs = range(len(runs))
-    labels = [_rate_label(r) for r in runs]
+    labels = [_fmt_rate(r["config"]["rate"]) for r in runs]
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.5))
     for ax, (key, label) in zip(axes, LATENCIES, strict=True):
         for q in ("p50", "p95"):

@@ -79,7 +79,11 @@ class ServeResult:
         out = {
             "kind": "serve",
             "started_at": self.started_at,
-            "config": {**asdict(self.config), "slo": self.config.slo.describe()},
+            "config": {
+                **asdict(self.config),
+                "slo": self.config.slo.describe(),
+                "api_key": "(set)" if self.config.api_key else None,  # NOTE: never the key
+            },
             "summary": summary,
             "gpu_util_mean": _mean([u for _, u in self.gpu_util]),
             "gpu_util": [list(s) for s in self.gpu_util],
