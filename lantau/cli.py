@@ -1,4 +1,5 @@
-"""The `lantau` command: `chat` (a model in the terminal), `serve`, `bench offline`."""
+"""The `lantau` command: `chat` (a model in the terminal), `serve`, `bench offline`,
+`bench serve` and `bench sweep` (a load generator against a running server)."""
 
 from __future__ import annotations
 
@@ -114,6 +115,68 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    """`bench serve` and `bench sweep`; the aliases are `vllm bench serve`'s names."""
+    p.add_argument("--url", "--base-url", dest="url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
+    p.add_argument("--model", default=None, help="the body's model field (default: the server's)")
+    p.add_argument("--workload", default="W1", help="W1 | W5 | random:IN/OUT | sharegpt:FILE")
+    p.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int)
+    p.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int)
+    p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", "--goodput", dest="slo", default="ttft=350ms,tpot=50ms")
+    p.add_argument(
+        "--ignore-eos", action=argparse.BooleanOptionalAction, help="default: on but for ShareGPT"
+    )
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request")
+    p.add_argument("--vocab-size", type=int, default=32000, help="random ids are drawn below it")
+    p.add_argument("--sharegpt-output-len", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--gpu-index", default="0", help="NVML devices of this machine, e.g. 0,1")
+    p.add_argument("--metrics-interval", type=float, default=1.0, help="seconds")
+    p.add_argument("--no-probe", dest="probe", action="store_false", help="no first test request")
+    p.add_argument("--disable-tqdm", "--no-progress", dest="progress", action="store_false")
+    p.add_argument("--out", "--result-dir", dest="out", default=None, help="the report's folder")
+    p.add_argument("--save-result", action="store_true", help="without --out: bench-<time>/")
+    p.add_argument("--before", default=None, help="a results.json (or its folder) to compare")
+
+
+def bench_online(args: argparse.Namespace) -> int:
+    import time
+
+    from lantau.bench import report
+    from lantau.bench.serve import (
+        config_from_args,
+        doubling_rates,
+        parse_rates,
+        run_serve,
+        run_sweep,
+    )
+
+    try:
+        before = report.load_result(args.before) if args.before else None
+        config = config_from_args(args)
+        if args.mode == "sweep":
+            rates = parse_rates(args.rates) if args.rates else None
+            result = run_sweep(config, rates or doubling_rates(args.start_rate, args.max_rate))
+        else:
+            result = run_serve(config)
+    except (OSError, RuntimeError, ValueError) as e:
+        print(f"lantau bench {args.mode}: {e}", file=sys.stderr)
+        return 1
+    data = result.to_dict()
+    print(report.summary_text(data))
+    out = args.out or (
+        time.strftime(f"bench-{args.mode}-%Y%m%d-%H%M%S") if args.save_result else None
+    )
+    if out:
+        report.write_report(data, out, before)
+        print(f"report: {out}/report.md, report.html, results.json")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lantau")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -167,6 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     _add_scheduling_args(p)
     p.add_argument("--output", default=None, help="write the result as JSON here")
     p.set_defaults(func=bench)
+
+    p = b.add_parser("serve", help="streaming load on a running OpenAI-compatible server")
+    _add_bench_serve_args(p)
+    p.add_argument(
+        "--rate", "--request-rate", dest="rate", type=float, default=float("inf"),
+        help="requests/s (Poisson); inf: all at once",
+    )  # fmt: skip
+    p.set_defaults(func=bench_online)
+    p = b.add_parser("sweep", help="bench serve at rising rates until the SLO breaks")
+    _add_bench_serve_args(p)
+    p.add_argument("--rates", default=None, help="e.g. 2,4,8,16,32,inf (default: doubling)")
+    p.add_argument("--start-rate", type=float, default=1.0)
+    p.add_argument("--max-rate", type=float, default=256.0)
+    p.set_defaults(func=bench_online)
     args = parser.parse_args(argv)
     return args.func(args)
 

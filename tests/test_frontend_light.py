@@ -23,6 +23,7 @@ print("ok")
         "import lantau.server.app",
         "import lantau.engine.async_llm",
         "import lantau.bench.echo_engine",
+        "import lantau.bench.serve, lantau.bench.report, lantau.bench.monitor",
         "import lantau.server.kserve_grpc, lantau.server.kserve_http, lantau.cli",
         "from lantau.engine.args import build_engine_config\n"
         "config, _ = build_engine_config('random:tiny', max_model_len=256)\n"

@@ -6,12 +6,12 @@ from __future__ import annotations
 import gc
 import json
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from lantau.bench.monitor import GpuUtilSampler
 from lantau.bench.workloads import Workload, make_workload
 from lantau.request import SamplingParams
 
@@ -58,43 +58,6 @@ class RunStats:
             "ttft_p50_s": round(self.percentile(self.ttft_s, 0.50), 3),
             "gpu_util_pct": self.gpu_util_pct,
         }
-
-
-class GpuUtilSampler:
-    """Mean NVML GPU utilisation over a run, sampled every 50 ms on a thread; None without
-    NVML or a GPU."""
-
-    def __init__(self, device_index: int = 0) -> None:
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
-            self._nvml = pynvml
-        except Exception:  # no NVML library or no GPU: report None
-            self._nvml = None
-
-    def __enter__(self) -> GpuUtilSampler:
-        if self._nvml is not None:
-            self._thread = threading.Thread(target=self._loop, daemon=True)
-            self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.05):
-            self.samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    @property
-    def mean(self) -> float | None:
-        return round(statistics.mean(self.samples), 1) if self.samples else None
 
 
 def measure_ceilings(device: torch.device) -> dict:

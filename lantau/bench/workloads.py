@@ -24,9 +24,15 @@ def _random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(256, vocab) for _ in range(n)]
 
 
-def make_workload(spec: str, vocab_size: int, num_prompts: int | None = None) -> Workload:
-    """W2 | W5 | W3-1000 | W3-128 | W3-2048 | in:N/out:M; num_prompts overrides the count."""
-    rng = random.Random(0)
+def make_workload(
+    spec: str, vocab_size: int, num_prompts: int | None = None, seed: int = 0
+) -> Workload:
+    """W1 | W2 | W5 | W3-1000 | W3-128 | W3-2048 | in:N/out:M; num_prompts overrides the count,
+    seed picks the random ids."""
+    rng = random.Random(seed)
+    if spec == "W1":  # the online workload: 500 requests, 467 in / 256 out
+        prompts = [_random_ids(rng, 467, vocab_size) for _ in range(num_prompts or 500)]
+        return Workload("W1", prompts, 256)
     if spec == "W2":
         n = num_prompts or 1
         prompts = [_random_ids(rng, 128, vocab_size) for _ in range(n)]
@@ -45,4 +51,6 @@ def make_workload(spec: str, vocab_size: int, num_prompts: int | None = None) ->
         num_in, num_out = int(m[1]), int(m[2])
         n = num_prompts or 1
         return Workload(spec, [_random_ids(rng, num_in, vocab_size) for _ in range(n)], num_out)
-    raise ValueError(f"workload: {spec!r} is not W2, W5, W3-1000, W3-128, W3-2048 or in:N/out:M")
+    raise ValueError(
+        f"workload: {spec!r} is not W1, W2, W5, W3-1000, W3-128, W3-2048 or in:N/out:M"
+    )
