@@ -1,0 +1,131 @@
+"""The served path on the H200: `lantau serve` started as a user starts it (its time to ready
+reported), driven by `lantau bench serve` runs in one order, then the same shapes offline in
+the same call for comparison (`lantau bench offline`, after the server has exited).
+
+    python benchmarks/gpu_serve.py --runs W1:16:500,W1:inf:500,W1:16:500,W1:2:120,W5:inf:256 \
+        --offline in:467/out:256:500,W5:256 --out $OUT
+
+A run is WORKLOAD:RATE:NUM_REQUESTS. On the H200 image the serving packages come as wheels
+(.whl) and the default model's tokenizer as a metadata-only GGUF (.gl, made by
+benchmarks/make_tokenizer_gguf.py), so streamed text is detokenized as it would be for users.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from lantau.bench.serve import ServeConfig, run_serve
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, extra: list[str], log_path: Path):
+    cmd = [sys.executable, "-m", "lantau.cli", "serve", model, "--port", str(port),
+           "--grpc-port", "0", *extra]  # fmt: skip
+    log = open(log_path, "w")  # noqa: SIM115 - the server's whole life
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}: see {log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, time.perf_counter() - start
+        except OSError:
+            pass
+        time.sleep(0.5)
+
+
+def serve_runs(base: str, specs: list[str]) -> list[dict]:
+    rows = []
+    for spec in specs:
+        workload, rate, num = spec.rsplit(":", 2)
+        config = ServeConfig(
+            base_url=base,
+            workload=workload,
+            num_requests=int(num),
+            rate=math.inf if rate == "inf" else float(rate),
+            seed=len(rows),  # no prefix of an earlier run is in cache
+            show_progress=False,
+        )
+        result = run_serve(config).to_dict()
+        result.pop("records")
+        s = result["summary"]
+        rows.append({"spec": spec, **result})
+        print(
+            f"{spec}: {s['output_throughput']:.0f} tok/s, {s['request_throughput']:.2f} req/s, "
+            f"TTFT mean/p95 {s['ttft']['mean']:.1f}/{s['ttft']['p95']:.1f} ms, "
+            f"ITL mean/p95 {s['itl']['mean']:.1f}/{s['itl']['p95']:.1f} ms, "
+            f"errors {s['num_errors']}, GPU util {result['gpu_util_mean']}",
+            flush=True,
+        )
+    return rows
+
+
+def offline_runs(model: str, specs: list[str], out: Path) -> list[dict]:
+    rows = []
+    for spec in specs:
+        workload, num = spec.rsplit(":", 1)
+        path = out / f"offline-{len(rows)}.json"
+        cmd = [sys.executable, "-m", "lantau.cli", "bench", "offline", "--model", model,
+               "--workload", workload, "--num-prompts", num, "--output", str(path)]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        rows.append({"spec": spec, **json.loads(path.read_text())})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="random:llama3-8b")
+    p.add_argument("--server-args", default="--max-num-seqs 384")
+    p.add_argument("--runs", default="W1:16:500,W1:inf:500,W1:16:500,W1:2:120,W5:inf:256")
+    p.add_argument("--offline", default="in:467/out:256:500,W5:256")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    proc, ready_s = start_server(args.model, port, args.server_args.split(), out / "server.log")
+    print(f"server ready in {ready_s:.1f} s", flush=True)
+    try:
+        served = serve_runs(f"http://127.0.0.1:{port}", args.runs.split(","))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    offline = offline_runs(args.model, args.offline.split(","), out) if args.offline else []
+    result = {"ready_s": ready_s, "served": served, "offline": offline}
+    (out / "gpu_serve.json").write_text(json.dumps(result, indent=1))
+    print("\n| run | output tok/s | req/s | TTFT mean / p95 ms | ITL mean / p95 / p99 ms | util |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in served:
+        s = r["summary"]
+        print(
+            f"| {r['spec']} | {s['output_throughput']:.0f} | {s['request_throughput']:.2f} | "
+            f"{s['ttft']['mean']:.1f} / {s['ttft']['p95']:.1f} | "
+            f"{s['itl']['mean']:.1f} / {s['itl']['p95']:.1f} / "
+            f"{s['itl']['p99']:.1f} | {r['gpu_util_mean']} |"
+        )
+    for r in offline:
+        o = r["lantau"]
+        print(f"| offline {r['spec']} | {o['output_tok_s']:.0f} | | | | {o['gpu_util_pct']} |")
+    print(f"server ready in {ready_s:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
