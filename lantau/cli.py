@@ -88,6 +88,7 @@ def serve(args: argparse.Namespace) -> int:
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
     )
@@ -195,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", action="append", help="repeat for several keys")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens a step may compute (chunked prefill's budget; default 4096)",
+    )
     p.add_argument("--num-kv-blocks", type=int, default=None)
     _add_scheduling_args(p)
     p.add_argument("--max-pending-requests", type=int, default=1024, help="then 429")

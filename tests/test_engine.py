@@ -333,3 +333,21 @@ def test_profile_step_packs_the_token_budget_as_separate_prompts(tiny_llama_dir)
         out, ref = packed._forward_logits(inputs), single._forward_logits(alone)
     assert out.shape == (min(core.config.scheduler.max_num_seqs, 100), ref.shape[1])
     torch.testing.assert_close(out[0], ref[0], rtol=1e-4, atol=1e-4)
+
+
+def test_warm_up_leaves_nothing_behind(tiny_llama_dir, reference):
+    """The server's warm-up (run on CUDA before it is ready) ends with no request, block,
+    cached prefix or count of its own, and the engine then gives the tokens a fresh one does."""
+    from lantau.engine.warmup import PROMPT_LENGTHS, warm_up
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=512,
+              max_model_len=512, max_num_batched_tokens=64)  # fmt: skip
+    core = llm.engine.core
+    assert warm_up(core) > 0
+    check_clean(llm)
+    assert core.num_generated_tokens == 0 and core.scheduler.num_preemptions == 0
+    assert not core.kv_cache.pool.hash_to_block_id  # the prefix cache is empty again
+    assert max(n for n in PROMPT_LENGTHS if n < 512) == 467
+    prompts, params, expected = reference
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -69,6 +70,11 @@ def run_engine_core(
     except Exception as e:  # report why, then exit: the frontend fails its start with it
         out_sock.send(encoder.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}")))
         return
+    if core.device.type == "cuda":  # no kernel compiles while a user waits
+        from lantau.engine.warmup import warm_up
+
+        warm_up(core)
+        _log_late_compiles()
     core_config = core.config
     out_sock.send(
         encoder.encode(CoreReady(core_config.cache.num_blocks, core_config.scheduler.max_model_len))
@@ -85,6 +91,18 @@ def run_engine_core(
         if outputs or rejected or now - last_sent >= HEARTBEAT_S:
             out_sock.send(encoder.encode(CoreOutputs(outputs, core_stats(core), rejected)))
             last_sent = now
+
+
+def _log_late_compiles() -> None:
+    """From here on a Triton compile holds up a serving step (a warm-up gap): say which."""
+    if "triton" not in sys.modules:
+        return
+    from triton import knobs
+
+    def warn(*, repr: str, **_) -> None:
+        logger.warning("Triton compiled a kernel while serving: %s", repr[:400])
+
+    knobs.runtime.jit_post_compile_hook = warn
 
 
 def _exit_with_parent(parent: int, poll_s: float = 0.2) -> None:

@@ -1,0 +1,74 @@
+"""The engine's warm-up before it serves: synthetic requests through the real step loop, so that
+every kernel specialization a serving step may need (Triton compiles one per constexpr and per
+integer argument that is 1 or a multiple of 16) is compiled before the first user waits on it.
+
+    wave 1  prompts of many lengths (1 .. max_model_len) at once: chunked prefills, big mixed
+            steps, decode batches shrinking as the prompts finish
+    wave 2  the same lengths arriving one step apart among running decodes: mixed steps of
+            every small size, then decode-only batches of every size as they finish
+    wave 3  the sampler's other paths: temperature, top-k/p, min-p, penalties, seeds, logprobs
+
+Nothing of it stays: its requests finish, the prefix cache is emptied, the counters zeroed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lantau.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from lantau.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+PROMPT_LENGTHS = (1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 255, 467, 1000, 2047, 4095, 8191)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False)
+SAMPLED = (
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1, ignore_eos=True),
+    SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.1, ignore_eos=True),
+    SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.5, ignore_eos=True),
+    SamplingParams(temperature=0.0, logprobs=5, ignore_eos=True),
+)
+
+
+def warm_up(core: EngineCore, seed: int = 0) -> float:
+    """Run the waves above to completion; returns the seconds they took."""
+    start = time.perf_counter()
+    config = core.config
+    rng = np.random.default_rng(seed)
+    longest = config.scheduler.max_model_len - GREEDY.max_tokens - 1
+    lengths = [n for n in PROMPT_LENGTHS if n <= longest]
+
+    def request(i: int, length: int, params: SamplingParams) -> Request:
+        ids = rng.integers(0, config.model_config.vocab_size, length).tolist()
+        return Request(f"warmup-{i}", ids, params, config.model_config.eos_token_ids)
+
+    for i, n in enumerate(lengths):  # wave 1
+        core.add_request(request(i, n, GREEDY))
+    _run(core)
+    longer = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    for i, n in enumerate(lengths):  # wave 2
+        core.add_request(request(i, n, longer))
+        core.step()
+    _run(core)
+    for i, params in enumerate(SAMPLED):  # wave 3
+        params = dataclasses.replace(params, max_tokens=4, detokenize=False)
+        core.add_request(request(i, 16 + i, params))
+    _run(core)
+    core.reset_prefix_cache()
+    core.num_generated_tokens = 0
+    core.scheduler.num_preemptions = 0
+    took = time.perf_counter() - start
+    logger.info("warm-up: %d prompt lengths, %.1f s", len(lengths), took)
+    return took
+
+
+def _run(core: EngineCore) -> None:
+    while core.has_unfinished_requests:
+        core.step()
