@@ -351,3 +351,23 @@ def test_warm_up_leaves_nothing_behind(tiny_llama_dir, reference):
     prompts, params, expected = reference
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_steps_of_prefill_chunks_only_compute_no_logits(tiny_llama_dir, monkeypatch):
+    """A step whose every request is mid-prompt (a long prompt chunked) needs no logits: the
+    lm_head must not run on zero rows (the GEMV path of CUDA steps refused them, crashing the
+    engine core on any prompt longer than the token budget)."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+              max_num_batched_tokens=16)  # fmt: skip
+    model = llm.engine.core.runner.model
+    rows, compute_logits = [], model.compute_logits
+
+    def recording(hidden):
+        rows.append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    monkeypatch.setattr(model, "compute_logits", recording)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": list(range(3, 60))}], params)  # 4 chunks of 16
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert rows and min(rows) >= 1, rows

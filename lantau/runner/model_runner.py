@@ -272,10 +272,13 @@ class ModelRunner:
         self.fill_pending(input_ids, inputs)
         return input_ids, ctx
 
-    def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits of the sampling rows, eagerly: [num_sample, vocab_size]."""
+    def _forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Logits of the sampling rows, eagerly: [num_sample, vocab_size]; None for a step of
+        prefill chunks only (its KV is written; no row needs logits)."""
         input_ids, ctx = self._to_device(inputs)
         hidden = self.model(input_ids, ctx)
+        if not len(inputs.logits_indices):  # NOTE: the batch-1 GEMV path takes 1 to 8 rows
+            return None
         indices = to_device(inputs.logits_indices, self.device)
         return self.model.compute_logits(hidden[indices])
 
