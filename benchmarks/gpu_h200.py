@@ -122,7 +122,8 @@ def check_kernels() -> None:
 def check_attention(pa, dev, dtype) -> dict:
     import triton.testing
 
-    from lantau.runner.attention import AttentionMetadata, paged_attention_ref
+    from lantau.kernels.reference import paged_attention_ref
+    from lantau.model.forward_context import AttentionMetadata
 
     res = {}
     num_blocks, bs, hq, hk, d = 8192, 16, 32, 8, 128
@@ -141,8 +142,6 @@ def check_attention(pa, dev, dtype) -> dict:
         block_tables=tables,
         max_query_len=max(num_q),
         max_seq_len=max(seq),
-        query_start_loc_cpu=qsl.tolist(),
-        seq_lens_cpu=seq,
     )
     q = torch.randn(sum(num_q), hq, d, device=dev, dtype=dtype)
     out = torch.full_like(q, float("nan"))
@@ -159,7 +158,7 @@ def check_attention(pa, dev, dtype) -> dict:
         scale,
     )
     pa.unified_attention(*args)
-    ref = paged_attention_ref(q.float(), kv.float(), meta, scale)
+    ref = paged_attention_ref(q.float(), kv.float(), *args[3:8], scale)
     res["unified_attention"] = rel_err(out, ref)
     res["unified_attention_ms"] = triton.testing.do_bench(
         lambda: pa.unified_attention(*args), return_mode="median"

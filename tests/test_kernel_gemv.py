@@ -159,7 +159,7 @@ def test_gemv_sum_of_squares_handoff(dtype, n, k, preload):
 def test_gemv_gated_matches_reference(dtype, n, k):
     """Batch 1 with the SiLU-and-mul after the product (gate_up_proj's output never written):
     each program pairs gate rows with their up rows; ragged halves (17 of 34) are masked."""
-    from lantau.kernels.activation import silu_and_mul_ref
+    from lantau.kernels.reference import silu_and_mul_ref
 
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, k, generator=gen).to(dtype)
@@ -220,9 +220,9 @@ def test_gemv_rope_epilogue_matches_the_unfused_path(
     against the unfused launches (GEMV, then the fused rotary + KV-write kernel) and the torch
     reference; nothing else in the cache changes, and slot -1 stores nothing."""
     from lantau.kernels.gemv import Rope
+    from lantau.kernels.reference import write_kv_cache_ref as write_kv_cache
     from lantau.kernels.rotary import apply_rotary_and_write_kv
     from lantau.model.ops import build_cos_sin_cache
-    from lantau.runner.attention import write_kv_cache
 
     gen = torch.Generator().manual_seed(head_dim + k)
     n = (num_q_heads + 2 * num_kv_heads) * head_dim

@@ -1,4 +1,4 @@
-"""Paged attention kernels vs lantau.runner.attention.paged_attention_ref and their own refs.
+"""Paged attention kernels vs lantau.kernels.reference (paged_attention_ref, per-request refs).
 
 Runs on CPU through the Triton interpreter. NOTE: triton.jit picks interpreted or compiled mode
 when a kernel module is imported, so TRITON_INTERPRET must be set before lantau.kernels loads.
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402, F401  (fail, don't skip, when triton is missing)
 
 from lantau.kernels import paged_attention as pa  # noqa: E402
-from lantau.runner.attention import AttentionMetadata, paged_attention_ref  # noqa: E402
+from lantau.kernels import reference  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rtol, atol) against fp32 references: fp32 is exact up to summation order; half precision
@@ -94,18 +94,11 @@ def engine_ref(b: dict) -> torch.Tensor:
     Its padded gather reads every slot of a request's blocks (and the padding block), and SDPA
     turns a NaN key under the mask into a NaN row, so it needs finite unused slots.
     """
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        query_start_loc=b["query_start_loc"],
-        seq_lens=b["seq_lens"],
-        block_tables=b["block_tables"],
-        max_query_len=b["max_query_len"],
-        max_seq_len=b["max_seq_len"],
-        query_start_loc_cpu=b["query_start_loc"].tolist(),
-        seq_lens_cpu=b["seq_lens"].tolist(),
-    )
     kv_cache = torch.nan_to_num(b["kv_cache"].float(), nan=0.0)
-    return paged_attention_ref(b["q"].float(), kv_cache, meta, b["scale"])
+    return reference.paged_attention_ref(
+        b["q"].float(), kv_cache, b["query_start_loc"], b["seq_lens"], b["block_tables"],
+        b["max_query_len"], b["max_seq_len"], b["scale"],
+    )  # fmt: skip
 
 
 def run_unified(b: dict) -> torch.Tensor:
@@ -153,7 +146,7 @@ def run_decode(
 
 
 def unified_ref(b: dict) -> torch.Tensor:
-    return pa.unified_attention_ref(
+    return reference.unified_attention_ref(
         b["q"], b["kv_cache"], b["query_start_loc"], b["seq_lens"], b["block_tables"], b["scale"]
     )
 
@@ -206,7 +199,7 @@ def test_paged_decode_attention_splits_agree(dtype, num_heads, num_kv_heads, hea
     # 44 keys and split 3 is empty; seq_len 1 leaves splits 1..3 empty
     requests = [(1, 1), (17, 1), (70, 1), (300, 1), (129, 1)]
     b = make_batch(requests, num_heads, num_kv_heads, head_dim, dtype, seed=3)
-    ref = pa.paged_decode_attention_ref(
+    ref = reference.paged_decode_attention_ref(
         b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
     )
     assert_matches(ref, engine_ref(b), torch.float32)
@@ -239,7 +232,7 @@ def test_paged_decode_attention_short_splits(monkeypatch):
     """16-key tiles: splits of 16 or 32 keys that end mid-block and mid-context."""
     monkeypatch.setattr(pa, "_DECODE_BLOCK_N", 16)
     b = make_batch([(70, 1), (45, 1), (16, 1), (3, 1)], 6, 2, 32, torch.float32, seed=4)
-    ref = pa.paged_decode_attention_ref(
+    ref = reference.paged_decode_attention_ref(
         b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
     )
     for num_splits in (1, 2, 3, 4, 8):
@@ -257,7 +250,7 @@ def test_in_launch_merge_folds_chunks_of_splits(monkeypatch, num_heads, num_kv_h
     leaves chunks part-masked."""
     monkeypatch.setattr(pa, "_DECODE_BLOCK_N", 16)
     b = make_batch([(128, 1), (45, 1), (3, 1)], num_heads, num_kv_heads, 32, torch.float32, seed=6)
-    ref = pa.paged_decode_attention_ref(
+    ref = reference.paged_decode_attention_ref(
         b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
     )
     group = num_heads // num_kv_heads
@@ -283,7 +276,7 @@ def test_empty_context_writes_zeros():
     """seq_len 0 (a padding request in a captured graph) gives zeros, not 0 / 0."""
     b = make_batch([(20, 1), (1, 1)], 4, 2, 32, torch.float32, seed=5)
     b["seq_lens"][1] = 0
-    ref = pa.paged_decode_attention_ref(
+    ref = reference.paged_decode_attention_ref(
         b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
     )
     assert ref[1].eq(0).all()

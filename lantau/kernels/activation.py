@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -67,10 +66,3 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         num_warps=min(max(block_size // 256, 1), 16),
     )
     return out
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """Torch reference: LlamaMLP's `F.silu(gate) * up`, but rounded once, from fp32."""
-    # x: [num_tokens, 2 * d] -> [num_tokens, d]
-    gate, up = x.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x.dtype)

@@ -96,8 +96,3 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         num_warps=8, **pdl.launch_options(logits.device, use_pdl),
     )  # fmt: skip
     return out
-
-
-def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
-    """Torch reference: the first index of each row's maximum."""
-    return logits.float().argmax(dim=-1)

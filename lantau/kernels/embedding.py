@@ -87,15 +87,3 @@ def embedding(
         **pdl.launch_options(weight.device),
     )  # fmt: skip
     return out
-
-
-def embedding_ref(
-    input_ids: torch.Tensor,
-    weight: torch.Tensor,
-    pick_src: torch.Tensor | None = None,
-    prev_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Torch reference."""
-    if pick_src is not None:
-        input_ids = torch.where(pick_src >= 0, prev_ids[pick_src.clamp(min=0)], input_ids)
-    return torch.nn.functional.embedding(input_ids, weight)

@@ -1,6 +1,6 @@
 """Scatter this step's keys and values into the paged KV cache.
 
-Cache layout (see lantau/runner/attention.py): [2, num_blocks, block_size, num_kv_heads, head_dim],
+Cache layout (see lantau/kernels/reference.py): [2, num_blocks, block_size, num_kv_heads, head_dim],
 so slot s of keys starts at element s * num_kv_heads * head_dim of kv_cache[0]. Each token's
 num_kv_heads * head_dim values are contiguous on both sides, so one program copies one token as a
 single vectorised row.
@@ -88,16 +88,3 @@ def write_kv_cache(
         # about 8 elements (16 bytes of fp16) per thread per access
         num_warps=min(max(block_size // 256, 1), 16),
     )
-
-
-def write_kv_cache_ref(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Torch reference: lantau.runner.attention.write_kv_cache, skipping slots < 0."""
-    # key, value: [num_tokens, num_kv_heads, head_dim]
-    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    # [2, num_blocks * block_size, num_kv_heads, head_dim]
-    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    is_valid = slot_mapping >= 0
-    flat[0][slot_mapping[is_valid]] = key[is_valid]
-    flat[1][slot_mapping[is_valid]] = value[is_valid]

@@ -1,6 +1,6 @@
 """Attention over the paged KV cache: one varlen launch for any batch, and split-KV decode.
 
-Same function and cache layout as lantau.runner.attention.paged_attention_ref. Keys are gathered
+Same function and cache layout as lantau.kernels.reference.paged_attention_ref. Keys are gathered
 one token at a time through the block table (`block_tables[req, t // block_size]`, slot
 `t % block_size`), so a KV tile (BLOCK_N tokens) need not match the cache block size.
 
@@ -919,50 +919,3 @@ def paged_decode_attention(
             **pdl.launch_options(q.device),
             num_warps=4 if head_dim * num_splits >= 2048 else 1,
         )
-
-
-def unified_attention_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Torch reference, fp32 result: request by request, gather only its keys, causal softmax.
-
-    Reads no slot past seq_len (unlike paged_attention_ref, whose padded gather turns NaN in
-    unused slots into NaN output). Syncs with the host; for tests.
-    """
-    # q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim] fp32
-    num_heads = q.shape[1]
-    block_size, num_kv_heads = kv_cache.shape[2:4]
-    flat_kv = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, num_kv_heads, head_dim]
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    starts = query_start_loc.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        q_start, q_end = starts[i], starts[i + 1]
-        if q_end == q_start or seq_len == 0:
-            continue
-        k_pos = torch.arange(seq_len, device=q.device)
-        slots = block_tables[i, k_pos // block_size].long() * block_size + k_pos % block_size
-        # [2, seq_len, num_heads, head_dim]: kv heads repeated for their query heads
-        kv = flat_kv[:, slots].float().repeat_interleave(num_heads // num_kv_heads, dim=2)
-        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), kv[0]) * scale
-        q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), kv[1])
-    return out
-
-
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Torch reference, fp32 result: unified attention with one query row per request."""
-    # q: [num_reqs, num_heads, head_dim] -> [num_reqs, num_heads, head_dim] fp32
-    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return unified_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)

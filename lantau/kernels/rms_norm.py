@@ -164,19 +164,3 @@ def fused_add_rms_norm(
         **pdl.launch_options(x.device),
         num_warps=_num_warps(block_size),
     )
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Torch reference: lantau.model.llama.RMSNorm.forward."""
-    # x: [num_tokens, hidden_size]
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> None:
-    """Torch reference of fused_add_rms_norm, in place like the kernel."""
-    residual.copy_(x + residual)
-    x.copy_(rms_norm_ref(residual, weight, eps))

@@ -168,17 +168,6 @@ def apply_rotary(
     )
 
 
-def apply_rotary_ref(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> None:
-    """Torch reference, in place like the kernel: lantau.model.llama.apply_rope on q and k."""
-    # [num_tokens, 1, head_dim // 2] each
-    cos, sin = cos_sin_cache[positions][:, None, :].chunk(2, dim=-1)
-    for x in (q, k):
-        x1, x2 = x.float().chunk(2, dim=-1)
-        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
-
-
 @triton.jit
 def _token_inputs(cos_sin_cache_ptr, positions_ptr, slot_mapping_ptr, token,
                   HALF_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip

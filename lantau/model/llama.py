@@ -14,8 +14,8 @@ from torch import nn
 
 from lantau.config import ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
+from lantau.model.forward_context import ForwardContext
 from lantau.model.ops import NormSums, Ops, build_cos_sin_cache, make_ops
-from lantau.runner.attention import ForwardContext
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

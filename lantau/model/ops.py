@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lantau.runner.attention import AttentionMetadata, paged_attention_ref, write_kv_cache
+from lantau.kernels import reference as ref
+from lantau.kernels import require_triton
+from lantau.model.forward_context import AttentionMetadata
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
@@ -107,6 +109,9 @@ class _Compositions:
 
 
 class TorchOps(_Compositions):
+    """The kernels' torch references (lantau/kernels/reference.py), on any device; imports no
+    Triton."""
+
     name = "torch"
 
     @staticmethod
@@ -118,53 +123,30 @@ class TorchOps(_Compositions):
         """weight[ids]: [num_tokens, hidden]; with pick_src, row i's id is prev_ids[pick_src[i]]
         where pick_src[i] >= 0 (a token the previous step sampled on the device). `sumsq_out`
         as linear_add's (ignored here)."""
-        from lantau.kernels.embedding import embedding_ref
-
-        return embedding_ref(input_ids, weight, pick_src, prev_ids)
+        return ref.embedding_ref(input_ids, weight, pick_src, prev_ids)
 
     @staticmethod
     def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(x.dtype)
-
-    @classmethod
-    def add_rms_norm(cls, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x + residual), x + residual)."""
-        residual = x + residual
-        return cls.rms_norm(residual, weight, eps), residual
+    rms_norm = staticmethod(ref.rms_norm_ref)
+    add_rms_norm = staticmethod(ref.add_rms_norm_ref)  # (rms_norm(x + residual), x + residual)
+    rotary = staticmethod(ref.rotary_ref)
+    silu_and_mul = staticmethod(ref.silu_and_mul_ref)
 
     @staticmethod
-    def rotary(q, k, positions, cos_sin_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate-half rotary embedding (HF's convention), in fp32."""
-        # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
-        cos, sin = cos_sin_cache[positions][:, None, :].chunk(2, dim=-1)
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-        return rotate(q), rotate(k)
-
-    @classmethod
-    def rotary_and_write_kv(cls, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping):
+    def rotary_and_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping):
         """Rotated q; the rotated k and v go to their cache slots."""
-        q, k = cls.rotary(q, k, positions, cos_sin_cache)
-        write_kv_cache(k, v, kv_cache, slot_mapping)
+        q, k = ref.rotary_ref(q, k, positions, cos_sin_cache)
+        ref.write_kv_cache_ref(k, v, kv_cache, slot_mapping)
         return q
 
     @staticmethod
-    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    @staticmethod
     def attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_ref(q, kv_cache, meta, scale)
+        return ref.paged_attention_ref(
+            q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            meta.max_query_len, meta.max_seq_len, scale,
+        )  # fmt: skip
 
 
 class TritonOps(_Compositions):
@@ -445,5 +427,6 @@ def make_ops(name: str) -> Ops:
     if name == "torch":
         return TorchOps()
     if name == "triton":
+        require_triton("attention_backend='triton'")
         return TritonOps()
     raise ValueError(f"attention_backend: {name!r} is not one of torch, triton")

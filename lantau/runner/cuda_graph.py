@@ -35,8 +35,8 @@ import torch
 
 from lantau.config import EngineConfig
 from lantau.kv_cache.manager import cdiv
+from lantau.model.forward_context import AttentionMetadata, ForwardContext
 from lantau.model.llama import LlamaForCausalLM
-from lantau.runner.attention import AttentionMetadata, ForwardContext
 from lantau.sampling.sampler import greedy_pick
 
 logger = logging.getLogger(__name__)
@@ -142,8 +142,6 @@ class CudaGraphRunner:
             block_tables=inp.block_tables[:bs],
             max_query_len=1,
             max_seq_len=max_seq_len,  # an upper bound: kernels read true lengths
-            query_start_loc_cpu=[],
-            seq_lens_cpu=[],
         )
         ctx = ForwardContext(meta, self.kv_caches, inp.positions[:bs])
         src, prev_ids = inp.pending_src[:bs], self.token_ids[1 - turn]

@@ -26,9 +26,10 @@ import numpy as np
 import torch
 
 from lantau.config import EngineConfig
+from lantau.kernels import require_triton
+from lantau.model.forward_context import AttentionMetadata, ForwardContext
 from lantau.model.llama import LlamaForCausalLM
 from lantau.request import SamplingParams
-from lantau.runner.attention import AttentionMetadata, ForwardContext
 from lantau.sampling.sampler import (
     PendingSample,
     Sampler,
@@ -117,6 +118,8 @@ class ModelRunner:
     def __init__(
         self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int, device: torch.device
     ) -> None:
+        if device.type == "cuda":  # the sampler's greedy pick is a Triton kernel there
+            require_triton("running on CUDA")
         self.config = config
         self.model = model
         self.device = device
@@ -264,8 +267,6 @@ class ModelRunner:
             block_tables=tensor(inputs.block_tables),
             max_query_len=inputs.max_query_len,
             max_seq_len=int(inputs.seq_lens.max()),
-            query_start_loc_cpu=inputs.query_start_loc.tolist(),
-            seq_lens_cpu=inputs.seq_lens.tolist(),
         )
         ctx = ForwardContext(meta, self.kv_caches, tensor(inputs.positions))
         input_ids = tensor(inputs.input_ids)
