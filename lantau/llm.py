@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from lantau.config import CacheConfig, EngineConfig, SchedulerConfig
+from lantau import envs
+from lantau.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
 from lantau.engine.core import EngineCore
 from lantau.engine.llm_engine import LLMEngine
 from lantau.errors import InvalidRequestError
@@ -53,8 +54,10 @@ def build_engine_config(
     attention_backend: str = "auto",
     enforce_eager: bool = False,
     async_scheduling: bool = True,
+    kernels: KernelConfig | None = None,
 ):
-    """The frozen EngineConfig and the model source, from user-facing arguments."""
+    """The frozen EngineConfig and the model source, from user-facing arguments. `kernels`:
+    the triton backend's choices (default: KernelConfig's, PDL as LANTAU_PDL says)."""
     if tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: only 1 is supported so far")
     source = resolve_model_source(model)
@@ -80,6 +83,7 @@ def build_engine_config(
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
         async_scheduling=async_scheduling,
+        kernels=kernels or KernelConfig(enable_pdl=envs.pdl_enabled()),
         cache=CacheConfig(
             block_size=block_size,
             num_blocks=num_kv_blocks,

@@ -35,7 +35,9 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, use_pdl: bool = True
+) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up], in fp32, rounded once to x's dtype.
 
     x: [num_tokens, 2 * d], any row stride, last dim contiguous; out: [num_tokens, d] (new if
@@ -61,7 +63,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         out.stride(0),
         d,
         BLOCK_SIZE=block_size,
-        **pdl.launch_options(x.device),
+        **pdl.launch_options(x.device, use_pdl),
         # about 8 elements per thread: 16-byte fp16 loads
         num_warps=min(max(block_size // 256, 1), 16),
     )

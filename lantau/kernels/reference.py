@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lantau.kv_cache.manager import cdiv
+
 
 def embedding_ref(
     input_ids: torch.Tensor,
@@ -118,7 +120,7 @@ def paged_attention_ref(
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    max_blocks = -(-max_seq_len // block_size)
+    max_blocks = cdiv(max_seq_len, block_size)
     tables = block_tables[:, :max_blocks].long()
     # [2, num_reqs, max_blocks * block_size, num_kv_heads, head_dim]
     kv = kv_cache[:, tables].reshape(2, num_reqs, max_blocks * block_size, num_kv_heads, head_dim)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from lantau.config import ModelConfig
+from lantau.config import KernelConfig, ModelConfig
 from lantau.errors import ModelLoadError
 from lantau.model import hf_loader
 from lantau.model.llama import LlamaForCausalLM
@@ -85,10 +85,11 @@ def build_model(
     seed: int,
     ops: str = "torch",
     max_positions: int = 0,
+    kernels: KernelConfig | None = None,
 ) -> LlamaForCausalLM:
     """The model on `device` in `dtype`, with its weights (random ones drawn there)."""
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(config, ops, max_positions)
+        model = LlamaForCausalLM(config, ops, max_positions, kernels)
     if source.kind == "random":
         model.init_random_weights(seed)
     elif source.kind == "hf":
