@@ -55,14 +55,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def check_kernels() -> None:
     import triton.testing
 
-    from lantau.kernels import (
-        activation,
-        embedding,
-        kv_cache_write,
-        paged_attention,
-        rms_norm,
-        rotary,
-    )
+    from lantau.kernels import activation, embedding, rms_norm, rotary
+    from lantau.kernels import reference as ref
     from lantau.model.llama import rope_inv_freq
     from lantau.model.ops import build_cos_sin_cache
     from lantau.model.random_weights import RANDOM_SHAPES
@@ -72,14 +66,13 @@ def check_kernels() -> None:
     t = 8192
     x = torch.randn(t, 4096, device=dev, dtype=bf16)
     w = torch.randn(4096, device=dev, dtype=bf16)
-    res["rms_norm"] = rel_err(rms_norm.rms_norm(x, w, 1e-5), rms_norm.rms_norm_ref(x, w, 1e-5))
+    res["rms_norm"] = rel_err(rms_norm.rms_norm(x, w, 1e-5), ref.rms_norm_ref(x, w, 1e-5))
     r1, x1 = torch.randn_like(x), x.clone()
-    r2, x2 = r1.clone(), x.clone()
+    x2, r2 = ref.add_rms_norm_ref(x, r1, w, 1e-5)
     rms_norm.fused_add_rms_norm(x1, r1, w, 1e-5)
-    rms_norm.fused_add_rms_norm_ref(x2, r2, w, 1e-5)
     res["fused_add_rms_norm"] = max(rel_err(x1, x2), rel_err(r1, r2))
     g = torch.randn(t, 2 * 14336, device=dev, dtype=bf16)
-    res["silu_and_mul"] = rel_err(activation.silu_and_mul(g), activation.silu_and_mul_ref(g))
+    res["silu_and_mul"] = rel_err(activation.silu_and_mul(g), ref.silu_and_mul_ref(g))
     ms = triton.testing.do_bench(lambda: activation.silu_and_mul(g), return_mode="median")
     res["silu_and_mul_tb_s"] = (g.numel() * 2 * 1.5) / ms / 1e9
 
@@ -88,41 +81,37 @@ def check_kernels() -> None:
     cache = build_cos_sin_cache(inv, 16384)
     qkv = torch.randn(t, 6144, device=dev, dtype=bf16)
     q, k = qkv[:, :4096].view(t, 32, 128), qkv[:, 4096:5120].view(t, 8, 128)
+    v = qkv[:, 5120:].view(t, 8, 128)
     pos = torch.randint(0, 16384, (t,), device=dev)
-    q_ref, k_ref = q.clone(), k.clone()
-    rotary.apply_rotary_ref(q_ref, k_ref, pos, cache)
-    rotary.apply_rotary(q, k, pos, cache)
-    res["rotary"] = max(rel_err(q, q_ref), rel_err(k, k_ref))
-
     num_blocks, bs = 4096, 16
     kv = torch.randn(2, num_blocks, bs, 8, 128, device=dev, dtype=bf16)
     kv2 = kv.clone()
     slots = torch.randperm(num_blocks * bs, device=dev)[:t]
-    kk, vv = (
-        torch.randn(t, 8, 128, device=dev, dtype=bf16),
-        torch.randn(t, 8, 128, device=dev, dtype=bf16),
-    )
-    kv_cache_write.write_kv_cache(kk, vv, kv, slots)
-    kv_cache_write.write_kv_cache_ref(kk, vv, kv2, slots)
-    res["write_kv_cache"] = rel_err(kv, kv2)
+    q_ref, k_ref = ref.rotary_ref(q, k, pos, cache)
+    ref.write_kv_cache_ref(k_ref, v, kv2, slots)
+    rotary.apply_rotary_and_write_kv(q, k, v, pos, cache, kv, slots)
+    res["rotary_write_kv"] = max(rel_err(q, q_ref), rel_err(kv, kv2))
     table = torch.randn(128256, 4096, device=dev, dtype=bf16)
     ids = torch.randint(0, 128256, (t,), device=dev)
     prev = torch.randint(0, 128256, (512,), device=dev)
     src = torch.where(torch.rand(t, device=dev) < 0.5, torch.randint(0, 512, (t,), device=dev), -1)
     res["embedding_pick"] = rel_err(
-        embedding.embedding(ids, table, src, prev), embedding.embedding_ref(ids, table, src, prev)
+        embedding.embedding(ids, table, src, prev), ref.embedding_ref(ids, table, src, prev)
     )
-    res.update(check_attention(paged_attention, dev, bf16))
+    res.update(check_attention(dev, bf16))
     RESULTS["kernels"] = res
     worst = max(v for k_, v in res.items() if not k_.endswith(("_tb_s", "_ms", "_us")))
     TABLE.append(("kernels max rel err (bf16)", f"{worst:.2e}", "vs torch refs, tol 1e-2"))
     print(json.dumps(res, indent=1), flush=True)
 
 
-def check_attention(pa, dev, dtype) -> dict:
+def check_attention(dev, dtype) -> dict:
     import triton.testing
 
-    from lantau.runner.attention import AttentionMetadata, paged_attention_ref
+    from lantau.kernels import decode_attention as da
+    from lantau.kernels import unified_attention as ua
+    from lantau.kernels.reference import paged_attention_ref, paged_decode_attention_ref
+    from lantau.model.forward_context import AttentionMetadata
 
     res = {}
     num_blocks, bs, hq, hk, d = 8192, 16, 32, 8, 128
@@ -141,8 +130,6 @@ def check_attention(pa, dev, dtype) -> dict:
         block_tables=tables,
         max_query_len=max(num_q),
         max_seq_len=max(seq),
-        query_start_loc_cpu=qsl.tolist(),
-        seq_lens_cpu=seq,
     )
     q = torch.randn(sum(num_q), hq, d, device=dev, dtype=dtype)
     out = torch.full_like(q, float("nan"))
@@ -158,11 +145,11 @@ def check_attention(pa, dev, dtype) -> dict:
         meta.max_seq_len,
         scale,
     )
-    pa.unified_attention(*args)
-    ref = paged_attention_ref(q.float(), kv.float(), meta, scale)
+    ua.unified_attention(*args)
+    ref = paged_attention_ref(q.float(), kv.float(), *args[3:8], scale)
     res["unified_attention"] = rel_err(out, ref)
     res["unified_attention_ms"] = triton.testing.do_bench(
-        lambda: pa.unified_attention(*args), return_mode="median"
+        lambda: ua.unified_attention(*args), return_mode="median"
     )
 
     # decode-only: 128 requests of 2,048 context, and 8 of 32,768
@@ -176,12 +163,12 @@ def check_attention(pa, dev, dtype) -> dict:
         q = torch.randn(num_reqs, hq, d, device=dev, dtype=dtype)
         out = torch.full_like(q, float("nan"))
         dargs = (q, kvd, out, seq_lens, tables, ctx, scale)
-        pa.paged_decode_attention(*dargs)
-        ref = pa.paged_decode_attention_ref(q.float(), kvd.float(), seq_lens, tables, scale)
+        da.paged_decode_attention(*dargs)
+        ref = paged_decode_attention_ref(q.float(), kvd.float(), seq_lens, tables, scale)
         key = f"decode_{num_reqs}x{ctx}"
         res[key] = rel_err(out, ref)
         ms = triton.testing.do_bench(
-            lambda dargs=dargs: pa.paged_decode_attention(*dargs), return_mode="median"
+            lambda dargs=dargs: da.paged_decode_attention(*dargs), return_mode="median"
         )
         kv_bytes = int(seq_lens.sum()) * hk * d * 2 * 2
         res[key + "_ms"] = ms
@@ -243,13 +230,9 @@ def e2e_parity() -> None:
         )
 
     runs = {}
-    # triton-bs1: one prompt at a time, so decode steps take the fused batch-1 GEMV path
-    # triton-bs1-preload: the same with the GEMVs' whole-slice preload (ops.gemv_preload);
-    # (early KV loads off); triton-bs1-new: with decode attention's first KV tiles loaded before
-    # the PDL wait (attn_early_kv_rows)
+    # triton-bs1: one prompt at a time, so decode steps take the batch-1 path (GEMVs, small
+    # decode attention with rotary inside)
     variants = [("torch", True), ("triton", True), ("triton", False), ("triton-bs1", False)]
-    if os.environ.get("PARITY_PRELOAD"):  # the batch-1 path alone, with preload and without
-        variants = [("torch", True), ("triton-bs1-preload", False), ("triton-bs1-new", False)]
     if os.environ.get("PARITY_FP32"):  # which of the bf16 runs is nearer fp32 truth?
         variants = [("torch", True), ("triton", True), ("torch-fp32", True)]
     if not torch.cuda.is_available():  # a CPU dry run of this stage's logic
@@ -267,21 +250,6 @@ def e2e_parity() -> None:
         )
         runner = llm.engine.core.runner
         one_at_a_time = "-bs1" in backend
-        if backend.endswith(("-preload", "-new")):
-            runner.model.ops.gemv_preload = True
-            runner.model.ops.attn_early_kv_rows = 0
-        if backend.endswith("-new"):  # decode attention's first KV tiles before the PDL wait
-            runner.model.ops.attn_early_kv_rows = 8
-            # and the ops knobs under test, e.g. PARITY_KNOBS='{"fuse_decode": true}'
-            # ("fold_norm_weights": true folds the norms' weights into the projections)
-            for key, value in json.loads(os.environ.get("PARITY_KNOBS", "{}")).items():
-                if key == "fold_norm_weights":
-                    if value:
-                        runner.model.fold_norm_weights()
-                    continue
-                setattr(runner.model.ops, key, tuple(value) if isinstance(value, list) else value)
-        if backend.endswith(("-preload", "-new")) and not eager:
-            runner.capture_cuda_graphs()
 
         def generate(n, llm=llm, runner=runner, one=one_at_a_time):
             """(outputs, last logits of each request)"""

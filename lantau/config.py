@@ -7,6 +7,7 @@ with `dataclasses.replace`; nothing here is mutated after construction.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +166,48 @@ class SchedulerConfig:
             )
 
 
+class AttnMerge(enum.Enum):
+    """How split decode attention's last split of a (request, kv head) folds the splits'
+    partials, in the same launch."""
+
+    CHUNKED = "chunked"  # several splits' partials a load, folded online (default_merge_chunk)
+    UNROLLED = "unrolled"  # one load a split, all in flight at once, each thread its own dims
+
+
+Tile = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The triton backend's kernel choices. The defaults are the fastest measured on an H200
+    (benchmarks/RESULTS.md); benchmarks compare other values, one KernelConfig an arm."""
+
+    # programmatic dependent launch (lantau/kernels/pdl.py) where the GPU has it
+    enable_pdl: bool = True
+    # batch-1 projections through the GEMV kernel, not cuBLAS
+    enable_gemv: bool = True
+    # batch 1: the SiLU-and-mul in gate_up's GEMV epilogue
+    enable_gate_silu: bool = True
+    # batch-1 GEMVs with K up to this load each program's weights at once, before the PDL wait
+    # (0: none); longer rows (down_proj's 14,336) loop over K
+    gemv_preload_max_k: int = 4096
+    # ((N, K), tile) pairs replacing gemv.default_config / gemv.preload_config for that shape
+    gemv_tiles: tuple[tuple[tuple[int, int], Tile], ...] = ()
+    preload_tiles: tuple[tuple[tuple[int, int], Tile], ...] = ()
+    # decode batches of at most this many rows ("small"): each attention split's first KV
+    # tile read before the PDL wait, rotary and the KV write inside the attention launch
+    attn_small_rows: int = 8
+    # decode attention's (BLOCK_N, num_warps, num_stages): small batches, and small batches
+    # whose contexts all fit attn_short_keys (their own CUDA graphs; one tile a split)
+    attn_small_tile: Tile = (64, 8, 2)
+    attn_short_tile: Tile = (64, 8, 1)
+    attn_short_keys: int = 1024  # 0: no short-context graphs
+    attn_merge: AttnMerge = AttnMerge.CHUNKED
+    attn_small_merge: AttnMerge = AttnMerge.UNROLLED
+    # decode attention's splits of each context (None: paged_decode_attention's heuristic)
+    attn_num_splits: int | None = None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # "path/to/hf-folder" | "file.gguf" | "random:NAME"
@@ -177,6 +220,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     # schedule step N+1 while step N runs (engine/core.py); False: one step at a time
     async_scheduling: bool = True
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # the triton backend's
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

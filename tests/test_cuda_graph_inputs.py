@@ -13,26 +13,26 @@ import pytest
 import torch
 
 from lantau import LLM, SamplingParams
+from lantau.config import KernelConfig
 from lantau.runner.cuda_graph import CudaGraphRunner
 
 
 @pytest.mark.parametrize("short_keys", [0, 26])
 def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_keys):
-    """short_keys: decode attention's short-context config (ops.attn_short_config) on, so that
-    batches whose contexts all fit in 26 keys run the short-context graphs (contexts here run
-    from 5 to 29 keys); 0: off."""
+    """short_keys: decode attention's short-context tile (KernelConfig.attn_short_tile) on, so
+    that batches whose contexts all fit in 26 keys run the short-context graphs (contexts here
+    run from 5 to 29 keys); 0: off."""
     llm = LLM(
         str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=128, max_num_seqs=8,
         attention_backend="triton",
+        kernels=KernelConfig(attn_short_tile=(8, 4, 1), attn_short_keys=short_keys),
     )  # fmt: skip
     runner = llm.engine.core.runner
     ops = runner.model.ops
-    ops.attn_short_config, ops.attn_short_keys = ((8, 4, 1) if short_keys else None), short_keys
     graphs = CudaGraphRunner(
         runner.config, runner.model, runner.kv_caches, runner.device, runner.token_ids
     )
     assert graphs.batch_sizes == [1, 2, 4, 8]
-    graphs.greedy_in_graph = True  # the graph's greedy pick too (the default)
     checked, classes, turns = [], set(), []
     eager_forward = runner._forward_logits
     num_layers = len(runner.model.model.layers)
@@ -99,7 +99,7 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
     if short_keys:  # run()'s choice of graph, on stand-ins (capture needs CUDA)
         for turn, inp in enumerate(graphs.turns):
             inp.graphs[2], inp.short_graphs[2] = ("long", turn, None), ("short", turn, None)
-            inp.graphs[16] = ("long", turn, None)  # above attn_early_kv_rows: no short graph
+            inp.graphs[16] = ("long", turn, None)  # above attn_small_rows: no short graph
         fits = SimpleNamespace(seq_lens=np.array([short_keys, 3], dtype=np.int32))
         over = SimpleNamespace(seq_lens=np.array([short_keys + 1, 3], dtype=np.int32))
         for turn in (0, 1):
@@ -110,9 +110,9 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
 
 
 def test_a_short_model_captures_one_graph_a_bucket(tiny_llama_dir, monkeypatch):
-    """A model shorter than ops.attn_short_keys (max_model_len 48, the default 1,024 keys) gets
-    no second, short-context graphs: its one graph a bucket, bounded by the model's length,
-    takes the short config itself (a graph bounded by 1,024 keys failed the attention's
+    """A model shorter than KernelConfig.attn_short_keys (max_model_len 48, the default 1,024
+    keys) gets no second, short-context graphs: its one graph a bucket, bounded by the model's
+    length, takes the short config itself (a graph bounded by 1,024 keys failed the attention's
     block-table check here, and one bounded by 48 would have been the same graph twice)."""
     llm = LLM(
         str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=48,
@@ -135,8 +135,8 @@ def test_a_short_model_captures_one_graph_a_bucket(tiny_llama_dir, monkeypatch):
             configs.append(kwargs["config"])
             return real.paged_decode_attention(*args, **kwargs)
 
-    real = ops._attn
-    monkeypatch.setattr(ops, "_attn", Spy())
+    real = ops._decode
+    monkeypatch.setattr(ops, "_decode", Spy())
     for inp in graphs.turns:  # as capture() does
         inp.seq_lens.fill_(1)
         inp.slot_mapping.fill_(-1)
@@ -144,4 +144,4 @@ def test_a_short_model_captures_one_graph_a_bucket(tiny_llama_dir, monkeypatch):
     logits, greedy = graphs._step(2, None, turn=1)  # what the bucket's graph runs
     assert logits.shape == (2, runner.model.config.vocab_size) and logits.isfinite().all()
     assert torch.equal(greedy, logits.argmax(dim=-1))
-    assert configs and set(configs) == {ops.attn_short_config}
+    assert configs and set(configs) == {ops.config.attn_short_tile}

@@ -309,8 +309,7 @@ def test_profile_step_packs_the_token_budget_as_separate_prompts(tiny_llama_dir)
 
     import torch
 
-    from lantau.engine.core import profile_inputs
-    from lantau.runner.model_runner import ModelRunner
+    from lantau.runner.model_runner import ModelRunner, profile_inputs
 
     llm = LLM(
         str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=32,

@@ -1,4 +1,4 @@
-"""Paged attention kernels vs lantau.runner.attention.paged_attention_ref and their own refs.
+"""Paged attention kernels vs lantau.kernels.reference (paged_attention_ref, per-request refs).
 
 Runs on CPU through the Triton interpreter. NOTE: triton.jit picks interpreted or compiled mode
 when a kernel module is imported, so TRITON_INTERPRET must be set before lantau.kernels loads.
@@ -22,8 +22,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402, F401  (fail, don't skip, when triton is missing)
 
-from lantau.kernels import paged_attention as pa  # noqa: E402
-from lantau.runner.attention import AttentionMetadata, paged_attention_ref  # noqa: E402
+from lantau.config import AttnMerge  # noqa: E402
+from lantau.kernels import decode_attention as da  # noqa: E402
+from lantau.kernels import reference  # noqa: E402
+from lantau.kernels import unified_attention as ua  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rtol, atol) against fp32 references: fp32 is exact up to summation order; half precision
@@ -94,23 +96,16 @@ def engine_ref(b: dict) -> torch.Tensor:
     Its padded gather reads every slot of a request's blocks (and the padding block), and SDPA
     turns a NaN key under the mask into a NaN row, so it needs finite unused slots.
     """
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        query_start_loc=b["query_start_loc"],
-        seq_lens=b["seq_lens"],
-        block_tables=b["block_tables"],
-        max_query_len=b["max_query_len"],
-        max_seq_len=b["max_seq_len"],
-        query_start_loc_cpu=b["query_start_loc"].tolist(),
-        seq_lens_cpu=b["seq_lens"].tolist(),
-    )
     kv_cache = torch.nan_to_num(b["kv_cache"].float(), nan=0.0)
-    return paged_attention_ref(b["q"].float(), kv_cache, meta, b["scale"])
+    return reference.paged_attention_ref(
+        b["q"].float(), kv_cache, b["query_start_loc"], b["seq_lens"], b["block_tables"],
+        b["max_query_len"], b["max_seq_len"], b["scale"],
+    )  # fmt: skip
 
 
 def run_unified(b: dict) -> torch.Tensor:
     out = torch.full_like(b["q"], float("nan"))  # poisoned: every element must be written
-    pa.unified_attention(
+    ua.unified_attention(
         b["q"],
         b["kv_cache"],
         out,
@@ -127,13 +122,10 @@ def run_unified(b: dict) -> torch.Tensor:
 def run_decode(
     b: dict,
     num_splits: int | None,
-    merge_kernel: bool = False,
-    heads_first: bool = False,
-    early_kv: bool = False,
-    merge_chunk: int | None = None,
+    merge: AttnMerge = AttnMerge.CHUNKED,
 ) -> torch.Tensor:
     out = torch.full_like(b["q"], float("nan"))
-    pa.paged_decode_attention(
+    da.paged_decode_attention(
         b["q"],
         b["kv_cache"],
         out,
@@ -142,18 +134,15 @@ def run_decode(
         b["max_seq_len"],
         b["scale"],
         num_splits=num_splits,
-        merge_kernel=merge_kernel,
-        heads_first=heads_first,
-        early_kv=early_kv,
-        merge_chunk=merge_chunk,
+        merge=merge,
     )
     # the in-launch merge leaves its counters zeroed for the next launch (and graph replay)
-    assert not pa._counters or not pa._counters[b["q"].device].any()
+    assert not da._counters or not da._counters[b["q"].device].any()
     return out
 
 
 def unified_ref(b: dict) -> torch.Tensor:
-    return pa.unified_attention_ref(
+    return reference.unified_attention_ref(
         b["q"], b["kv_cache"], b["query_start_loc"], b["seq_lens"], b["block_tables"], b["scale"]
     )
 
@@ -180,8 +169,8 @@ def test_unified_attention_mixed_batch(dtype, num_heads, num_kv_heads, head_dim)
 def test_unified_attention_small_tiles(monkeypatch, num_heads, num_kv_heads):
     """16-row query tiles and 16-key tiles inside 32-token blocks: prefills span many tiles,
     tile edges fall mid-block, and a request with no query rows sits mid-batch."""
-    monkeypatch.setattr(pa, "_PREFILL_BLOCK_M", 16)
-    monkeypatch.setattr(pa, "_BLOCK_N", 16)
+    monkeypatch.setattr(ua, "_PREFILL_BLOCK_M", 16)
+    monkeypatch.setattr(ua, "_BLOCK_N", 16)
     requests = [(37, 37), (5, 0), (49, 9), (70, 1), (33, 20)]
     b = make_batch(requests, num_heads, num_kv_heads, 32, torch.float32, block_size=32, seed=1)
     out = run_unified(b)
@@ -206,28 +195,11 @@ def test_paged_decode_attention_splits_agree(dtype, num_heads, num_kv_heads, hea
     # 44 keys and split 3 is empty; seq_len 1 leaves splits 1..3 empty
     requests = [(1, 1), (17, 1), (70, 1), (300, 1), (129, 1)]
     b = make_batch(requests, num_heads, num_kv_heads, head_dim, dtype, seed=3)
-    ref = pa.paged_decode_attention_ref(
+    ref = reference.paged_decode_attention_ref(
         b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
     )
     assert_matches(ref, engine_ref(b), torch.float32)
     outs = {n: run_decode(b, n) for n in (None, 1, 2, 3, 4)}
-    # the merge as a second launch: the same sums in the same order
-    for n in (2, 4):
-        torch.testing.assert_close(run_decode(b, n, merge_kernel=True), outs[n], rtol=0, atol=0)
-    # the grid in another order: the same programs
-    for n in (1, 4):
-        torch.testing.assert_close(run_decode(b, n, heads_first=True), outs[n], rtol=0, atol=0)
-    # each split's first tile loaded apart (before the PDL wait on the GPU), the last key after
-    # it: the same sums
-    for n in (1, 2, 3, 4):
-        torch.testing.assert_close(run_decode(b, n, early_kv=True), outs[n], rtol=0, atol=0)
-    # a register cap (ignored by the interpreter) leaves the sums as they are
-    capped = torch.full_like(b["q"], float("nan"))
-    pa.paged_decode_attention(
-        b["q"], b["kv_cache"], capped, b["seq_lens"], b["block_tables"], b["max_seq_len"],
-        b["scale"], num_splits=4, early_kv=True, maxnreg=168,
-    )  # fmt: skip
-    torch.testing.assert_close(capped, outs[4], rtol=0, atol=0)
     for out in outs.values():
         assert_matches(out, ref, dtype)
     if dtype == torch.float32:  # splitting changes only the order of fp32 sums
@@ -237,72 +209,66 @@ def test_paged_decode_attention_splits_agree(dtype, num_heads, num_kv_heads, hea
 
 def test_paged_decode_attention_short_splits(monkeypatch):
     """16-key tiles: splits of 16 or 32 keys that end mid-block and mid-context."""
-    monkeypatch.setattr(pa, "_DECODE_BLOCK_N", 16)
+    monkeypatch.setattr(da, "_DECODE_BLOCK_N", 16)
     b = make_batch([(70, 1), (45, 1), (16, 1), (3, 1)], 6, 2, 32, torch.float32, seed=4)
-    ref = pa.paged_decode_attention_ref(
+    ref = reference.paged_decode_attention_ref(
         b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
     )
     for num_splits in (1, 2, 3, 4, 8):
         out = run_decode(b, num_splits)
         assert_matches(out, ref, torch.float32)
-        early = run_decode(b, num_splits, early_kv=True)  # first tiles loaded apart
-        torch.testing.assert_close(early, out, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (8, 1), (4, 4)])
 def test_in_launch_merge_folds_chunks_of_splits(monkeypatch, num_heads, num_kv_heads):
-    """16-key tiles over 8 splits: the merge loading all partials at once (the default), in
-    chunks of 2 or 4 folded online, one by one, or unrolled (0: a load per split) agree with the
-    reference and each other (fp32 sums in other orders); a request filling 3 of 8 splits
-    leaves chunks part-masked."""
-    monkeypatch.setattr(pa, "_DECODE_BLOCK_N", 16)
+    """16-key tiles over 8 splits: the merge loading all partials at once (chunked, the
+    default) or unrolled (a load per split) agree with the reference and each other (fp32 sums
+    in other orders); a request filling 3 of 8 splits leaves chunks part-masked."""
+    monkeypatch.setattr(da, "_DECODE_BLOCK_N", 16)
     b = make_batch([(128, 1), (45, 1), (3, 1)], num_heads, num_kv_heads, 32, torch.float32, seed=6)
-    ref = pa.paged_decode_attention_ref(
+    ref = reference.paged_decode_attention_ref(
         b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
     )
     group = num_heads // num_kv_heads
-    assert pa.default_merge_chunk(8, group, 32) == 8  # all 8 at once
-    outs = {c: run_decode(b, 8, merge_chunk=c) for c in (None, 0, 1, 2, 4)}
+    assert da.default_merge_chunk(8, group, 32) == 8  # all 8 at once
+    outs = {m: run_decode(b, 8, merge=m) for m in AttnMerge}
     for out in outs.values():
         assert_matches(out, ref, torch.float32)
-        torch.testing.assert_close(out, outs[None], rtol=1e-5, atol=1e-6)
-    # the second launch's merge: the same weights, summed in another order
-    second = run_decode(b, 8, merge_kernel=True)
-    torch.testing.assert_close(second, outs[None], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out, outs[AttnMerge.CHUNKED], rtol=1e-5, atol=1e-6)
 
 
 def test_default_merge_chunk_caps_the_partials_held():
-    assert pa.default_merge_chunk(16, 4, 128) == 16  # llama3-8b: 16 x 4 x 128 = 8,192 values
-    assert pa.default_merge_chunk(64, 4, 128) == 16
-    assert pa.default_merge_chunk(64, 8, 128) == 8  # 70B's 8 query heads a kv head
-    assert pa.default_merge_chunk(3, 3, 64) == 4
-    assert pa.default_merge_chunk(2, 64, 256) == 1
+    assert da.default_merge_chunk(16, 4, 128) == 16  # llama3-8b: 16 x 4 x 128 = 8,192 values
+    assert da.default_merge_chunk(64, 4, 128) == 16
+    assert da.default_merge_chunk(64, 8, 128) == 8  # 70B's 8 query heads a kv head
+    assert da.default_merge_chunk(3, 3, 64) == 4
+    assert da.default_merge_chunk(2, 64, 256) == 1
 
 
 def test_empty_context_writes_zeros():
     """seq_len 0 (a padding request in a captured graph) gives zeros, not 0 / 0."""
     b = make_batch([(20, 1), (1, 1)], 4, 2, 32, torch.float32, seed=5)
     b["seq_lens"][1] = 0
-    ref = pa.paged_decode_attention_ref(
+    ref = reference.paged_decode_attention_ref(
         b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
     )
     assert ref[1].eq(0).all()
-    for num_splits, merge_kernel in ((1, False), (4, False), (4, True)):
-        for early_kv in (False, True):
-            out = run_decode(b, num_splits, merge_kernel, early_kv=early_kv)
+    for num_splits in (1, 4):
+        for merge in AttnMerge:
+            out = run_decode(b, num_splits, merge)
             assert out[1].eq(0).all()
             assert_matches(out, ref, torch.float32)
 
 
 def test_default_num_splits():
     cpu = torch.device("cpu")  # counts as a 132-SM H200: about 528 programs wanted
-    assert pa.default_num_splits(1, 8, 32768, cpu) == 64  # 8 programs a split
-    assert pa.default_num_splits(4, 8, 16384, cpu) == 16
-    assert pa.default_num_splits(8, 8, 8192, cpu) == 8
-    assert pa.default_num_splits(1, 8, 1000, cpu) == 2  # but no split under 256 keys
-    assert pa.default_num_splits(64, 8, 32768, cpu) == 1  # the batch alone fills the GPU
-    assert pa.default_num_splits(1, 1, 1 << 20, cpu) == pa._MAX_SPLITS
-    assert pa.default_num_splits(3, 2, 100, cpu) == 1
+    assert da.default_num_splits(1, 8, 32768, cpu) == 64  # 8 programs a split
+    assert da.default_num_splits(4, 8, 16384, cpu) == 16
+    assert da.default_num_splits(8, 8, 8192, cpu) == 8
+    assert da.default_num_splits(1, 8, 1000, cpu) == 2  # but no split under 256 keys
+    assert da.default_num_splits(64, 8, 32768, cpu) == 1  # the batch alone fills the GPU
+    assert da.default_num_splits(1, 1, 1 << 20, cpu) == da._MAX_SPLITS
+    assert da.default_num_splits(3, 2, 100, cpu) == 1
 
 
 def test_launchers_reject_bad_inputs():
@@ -311,7 +277,7 @@ def test_launchers_reject_bad_inputs():
     def unified(**changes) -> None:
         args = {**b, **changes}
         out = changes.get("out", torch.empty_like(args["q"]))
-        pa.unified_attention(
+        ua.unified_attention(
             args["q"],
             args["kv_cache"],
             out,
@@ -340,13 +306,13 @@ def test_launchers_reject_bad_inputs():
         with pytest.raises(AssertionError):
             unified(**changes)
     with pytest.raises(AssertionError):  # decode wants exactly one query row per request
-        pa.paged_decode_attention(
+        da.paged_decode_attention(
             b["q"], b["kv_cache"], torch.empty_like(b["q"]), b["seq_lens"],
             b["block_tables"], b["max_seq_len"], b["scale"],
         )  # fmt: skip
     with pytest.raises(AssertionError):
         q = b["q"][:2]
-        pa.paged_decode_attention(
+        da.paged_decode_attention(
             q, b["kv_cache"], torch.empty_like(q), b["seq_lens"], b["block_tables"],
             b["max_seq_len"], b["scale"], num_splits=0,
         )  # fmt: skip
@@ -364,7 +330,7 @@ def test_decode_attention_with_rope_matches_rotary_then_attention(monkeypatch, d
     from lantau.model.llama import rope_inv_freq
     from lantau.model.ops import build_cos_sin_cache
 
-    monkeypatch.setattr(pa, "_DECODE_BLOCK_N", block_n)
+    monkeypatch.setattr(da, "_DECODE_BLOCK_N", block_n)
     num_heads, num_kv_heads, head_dim = 6, 2, 32
     b = make_batch([(70, 1), (45, 1), (1, 1), (129, 1)], num_heads, num_kv_heads, head_dim, dtype)
     seq_lens = b["seq_lens"].long()
@@ -385,9 +351,9 @@ def test_decode_attention_with_rope_matches_rotary_then_attention(monkeypatch, d
 
     def attend(query, kv_cache, num_splits, rope=None):
         out = torch.full_like(query, float("nan")).contiguous()
-        pa.paged_decode_attention(
+        da.paged_decode_attention(
             query, kv_cache, out, b["seq_lens"], b["block_tables"], b["max_seq_len"],
-            b["scale"], num_splits=num_splits, early_kv=True, rope=rope,
+            b["scale"], num_splits=num_splits, rope=rope,
         )  # fmt: skip
         return out
 
@@ -396,7 +362,7 @@ def test_decode_attention_with_rope_matches_rotary_then_attention(monkeypatch, d
         apply_rotary_and_write_kv(ref_q, k, v, positions, cos_sin, ref_cache, slot_mapping)
         ref = attend(ref_q, ref_cache, num_splits)
         fused_cache = cache.clone()
-        rope = pa.DecodeRope(k, v, positions, cos_sin, slot_mapping)
+        rope = da.DecodeRope(k, v, positions, cos_sin, slot_mapping)
         out = attend(q, fused_cache, num_splits, rope)
         real = [0, 1, 3]
         torch.testing.assert_close(out[real], ref[real], rtol=0, atol=0)
@@ -412,8 +378,6 @@ def test_decode_rope_rejects_bad_inputs():
     cos_sin = torch.zeros(64, 32)
     out = torch.empty_like(b["q"])
     args = (b["q"], b["kv_cache"], out, b["seq_lens"], b["block_tables"], 20, 1.0)
-    with pytest.raises(AssertionError, match="early_kv"):
-        pa.paged_decode_attention(*args, rope=pa.DecodeRope(kv, kv, pos, cos_sin, pos))
-    bad = pa.DecodeRope(kv, kv, pos.int(), cos_sin, pos)
+    bad = da.DecodeRope(kv, kv, pos.int(), cos_sin, pos)
     with pytest.raises(AssertionError, match="positions"):
-        pa.paged_decode_attention(*args, early_kv=True, rope=bad)
+        da.paged_decode_attention(*args, rope=bad)

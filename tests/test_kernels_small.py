@@ -1,5 +1,5 @@
 """Small Triton kernels vs their torch references and the lantau code they replace
-(lantau.model.ops.TorchOps, lantau.runner.attention.write_kv_cache, rope_inv_freq).
+(lantau/kernels/reference.py, which TorchOps runs; rope_inv_freq).
 
 Runs on CPU through the Triton interpreter. NOTE: triton.jit picks interpreted or compiled mode
 when a kernel module is imported, so TRITON_INTERPRET must be set before lantau.kernels loads.
@@ -19,24 +19,21 @@ import torch  # noqa: E402
 
 from lantau.config import RopeScaling  # noqa: E402
 from lantau.kernels import activation  # noqa: E402
-from lantau.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from lantau.kernels.embedding import embedding, embedding_ref  # noqa: E402
-from lantau.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref  # noqa: E402
-from lantau.kernels.rms_norm import (  # noqa: E402
-    fused_add_rms_norm,
-    fused_add_rms_norm_ref,
-    rms_norm,
+from lantau.kernels.activation import silu_and_mul  # noqa: E402
+from lantau.kernels.embedding import embedding  # noqa: E402
+from lantau.kernels.reference import (  # noqa: E402
+    add_rms_norm_ref,
+    embedding_ref,
     rms_norm_ref,
+    rotary_ref,
+    silu_and_mul_ref,
+    write_kv_cache_ref,
 )
-from lantau.kernels.rotary import (  # noqa: E402
-    apply_rotary,
-    apply_rotary_and_write_kv,
-    apply_rotary_ref,
-)
+from lantau.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from lantau.kernels.rotary import apply_rotary_and_write_kv  # noqa: E402
 from lantau.model import ops  # noqa: E402
 from lantau.model.llama import rope_inv_freq  # noqa: E402
 from lantau.model.ops import build_cos_sin_cache  # noqa: E402
-from lantau.runner import attention  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rtol, atol) per dtype
@@ -69,84 +66,40 @@ def assert_pad_untouched(view: torch.Tensor) -> None:
     assert buf[:, view.shape[1] :].isnan().all(), "kernel wrote past the end of a row"
 
 
-# ---------------------------------------------------------------- kv cache write
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 64), (1, 128), (3, 96)])
-def test_write_kv_cache(dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> None:
-    torch.manual_seed(0)
-    num_tokens, num_heads, num_blocks, block_size = 7, 2 * num_kv_heads, 4, 4
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    # fused qkv output with extra columns: key/value rows have stride != num_kv_heads * head_dim
-    qkv = padded_rows(num_tokens, q_size + 2 * kv_size, 8, dtype)
-    key = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
-    value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
-    num_slots = num_blocks * block_size
-    slot_mapping = torch.randperm(num_slots)[:num_tokens]
-    slot_mapping[[1, 4]] = -1  # padding rows
-    is_valid = slot_mapping >= 0
-
-    poisoned = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), NAN, dtype=dtype)
-    cache = poisoned.clone()
-    write_kv_cache(key, value, cache, slot_mapping)
-    expected = poisoned.clone()
-    write_kv_cache_ref(key, value, expected, slot_mapping)
-    torch.testing.assert_close(cache, expected, rtol=0, atol=0, equal_nan=True)
-
-    # the code it replaces, given only the real rows (index_copy_ has no "skip")
-    replaced = poisoned.clone()
-    attention.write_kv_cache(key[is_valid], value[is_valid], replaced, slot_mapping[is_valid])
-    torch.testing.assert_close(cache, replaced, rtol=0, atol=0, equal_nan=True)
-
-    flat = cache.view(2, num_slots, num_kv_heads, head_dim)
-    is_written = torch.zeros(num_slots, dtype=torch.bool)
-    is_written[slot_mapping[is_valid]] = True
-    assert not flat[:, is_written].isnan().any(), "a real row was not written"
-    assert flat[:, ~is_written].isnan().all(), "a padding row or a foreign slot was written"
-
-
 # ---------------------------------------------------------------- RMSNorm
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden_size", [96, 576])
-@pytest.mark.parametrize("early", [True, False], ids=["weight_before_wait", "weight_after"])
-def test_rms_norm(dtype: torch.dtype, hidden_size: int, early: bool) -> None:
+def test_rms_norm(dtype: torch.dtype, hidden_size: int) -> None:
     torch.manual_seed(1)
     num_tokens, eps = 5, 1e-5
     x = padded_rows(num_tokens, hidden_size, 16, dtype) * 3
     weight = (1 + 0.1 * torch.randn(hidden_size)).to(dtype)
     out = padded_rows(num_tokens, hidden_size, 16, dtype).fill_(NAN)
 
-    assert rms_norm(x, weight, eps, out=out, early=early) is out
+    assert rms_norm(x, weight, eps, out=out) is out
     assert not out.isnan().any(), "an output element was not written"
     assert_pad_untouched(out)
     assert_close(out, rms_norm_ref(x, weight, eps))
-    assert_close(out, ops.TorchOps.rms_norm(x, weight, eps))
     assert_close(rms_norm(x, weight, eps), out)  # freshly allocated output
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden_size", [96, 576])
-@pytest.mark.parametrize("early", [True, False], ids=["weight_before_wait", "weight_after"])
-def test_fused_add_rms_norm(dtype: torch.dtype, hidden_size: int, early: bool) -> None:
+def test_fused_add_rms_norm(dtype: torch.dtype, hidden_size: int) -> None:
     torch.manual_seed(2)
     num_tokens, eps = 5, 1e-6
     x = padded_rows(num_tokens, hidden_size, 16, dtype)
     residual = padded_rows(num_tokens, hidden_size, 8, dtype) * 4
     weight = (1 + 0.1 * torch.randn(hidden_size)).to(dtype)
 
-    expected_out, expected_residual = ops.TorchOps.add_rms_norm(x, residual, weight, eps)
-    x_ref, residual_ref = x.clone(), residual.clone()
-    fused_add_rms_norm_ref(x_ref, residual_ref, weight, eps)
+    x_ref, residual_ref = add_rms_norm_ref(x, residual, weight, eps)
 
-    fused_add_rms_norm(x, residual, weight, eps, early=early)
+    fused_add_rms_norm(x, residual, weight, eps)
     assert_pad_untouched(x)
     assert_pad_untouched(residual)
-    assert_close(residual, expected_residual)
     assert_close(residual, residual_ref)
-    assert_close(x, expected_out)
     assert_close(x, x_ref)
 
 
@@ -162,44 +115,14 @@ LLAMA3_SCALING = RopeScaling(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3"])
-def test_apply_rotary(dtype: torch.dtype, head_dim: int, scaling: RopeScaling | None) -> None:
-    torch.manual_seed(3)
-    # head counts not powers of 2, so the head masks matter
-    num_tokens, num_heads, num_kv_heads, max_position = 6, 6, 3, 1024
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    # fused qkv with NaN v and pad columns: the kernel must touch only q and k
-    qkv = padded_rows(num_tokens, q_size + 2 * kv_size, 8, dtype)
-    qkv[:, q_size + kv_size :] = NAN
-    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
-    positions = torch.tensor([700, 3, 0, 1023, 3, 41])  # out of order, repeated, both ends
-
-    inv_freq = rope_inv_freq(head_dim, 500000.0, scaling)
-    cos_sin_cache = build_cos_sin_cache(inv_freq, max_position)
-    # the cache the model builds today, and the angles computed directly
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [num_tokens, head_dim // 2]
-    torch.testing.assert_close(cos_sin_cache[positions], torch.cat((freqs.cos(), freqs.sin()), -1))
-    expected_q, expected_k = ops.TorchOps.rotary(q, k, positions, cos_sin_cache)
-    q_ref, k_ref = q.clone(), k.clone()
-    apply_rotary_ref(q_ref, k_ref, positions, cos_sin_cache)
-
-    apply_rotary(q, k, positions, cos_sin_cache)
-    assert qkv[:, q_size + kv_size :].isnan().all(), "the kernel wrote into v or past the row"
-    assert_close(q, expected_q)
-    assert_close(k, expected_k)
-    assert_close(q, q_ref)
-    assert_close(k, k_ref)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 80])
-@pytest.mark.parametrize("early", [True, False], ids=["inputs_before_wait", "inputs_after"])
-def test_apply_rotary_and_write_kv(dtype: torch.dtype, head_dim: int, early: bool) -> None:
-    """The fused kernel: q as apply_rotary leaves it, and the cache as apply_rotary followed
-    by write_kv_cache leaves it; padding rows (slot -1) and foreign slots untouched, k and v
-    not modified."""
+def test_apply_rotary_and_write_kv(
+    dtype: torch.dtype, head_dim: int, scaling: RopeScaling | None
+) -> None:
+    """q rotated in place as rotary_ref rotates it, and the cache as write_kv_cache_ref leaves
+    it with the rotated keys; padding rows (slot -1) and foreign slots untouched, k and v not
+    modified. Head counts are not powers of 2, so the head masks matter."""
     torch.manual_seed(4)
     num_tokens, num_heads, num_kv_heads, num_blocks, block_size = 7, 6, 3, 4, 4
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -207,17 +130,21 @@ def test_apply_rotary_and_write_kv(dtype: torch.dtype, head_dim: int, early: boo
     q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
     v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
-    positions = torch.tensor([700, 3, 0, 1023, 3, 41, 9])
+    positions = torch.tensor([700, 3, 0, 1023, 3, 41, 9])  # out of order, repeated, both ends
     slot_mapping = torch.randperm(num_blocks * block_size)[:num_tokens]
     slot_mapping[[2, 5]] = -1  # padding rows
-    cos_sin_cache = build_cos_sin_cache(rope_inv_freq(head_dim, 10000.0, LLAMA3_SCALING), 1024)
+    inv_freq = rope_inv_freq(head_dim, 500000.0, scaling)
+    cos_sin_cache = build_cos_sin_cache(inv_freq, 1024)
+    # the cache the model builds, against the angles computed directly
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [num_tokens, head_dim // 2]
+    torch.testing.assert_close(cos_sin_cache[positions], torch.cat((freqs.cos(), freqs.sin()), -1))
     poisoned = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), NAN, dtype=dtype)
 
-    q_ref, k_ref, cache_ref = q.clone(), k.clone(), poisoned.clone()
-    apply_rotary_ref(q_ref, k_ref, positions, cos_sin_cache)
+    cache_ref = poisoned.clone()
+    q_ref, k_ref = rotary_ref(q, k, positions, cos_sin_cache)
     write_kv_cache_ref(k_ref, v, cache_ref, slot_mapping)
     k_before, v_before, cache = k.clone(), v.clone(), poisoned.clone()
-    apply_rotary_and_write_kv(q, k, v, positions, cos_sin_cache, cache, slot_mapping, early=early)
+    apply_rotary_and_write_kv(q, k, v, positions, cos_sin_cache, cache, slot_mapping)
     assert_close(q, q_ref)
     assert_close(cache, cache_ref, equal_nan=True)  # NaN exactly where no real row wrote
     assert torch.equal(k, k_before) and torch.equal(v, v_before)
@@ -251,7 +178,6 @@ def test_silu_and_mul(
     assert not out.isnan().any(), "an output element was not written"
     assert_pad_untouched(out)
     assert_close(out, silu_and_mul_ref(x))
-    assert_close(out, ops.TorchOps.silu_and_mul(x))  # rounds twice, in x's dtype
     assert_close(silu_and_mul(x), out)  # freshly allocated output
 
 
@@ -279,28 +205,10 @@ def test_embedding_with_device_picked_ids(dtype: torch.dtype, hidden: int) -> No
     # TorchOps and TritonOps agree
     triton_out = ops.TritonOps().embed(ids, weight, src, prev)
     assert torch.equal(triton_out, ops.TorchOps.embed(ids, weight, src, prev))
-    # one row, with its sum of squares handed to the first norm (fp64, over several programs)
-    sums = torch.tensor([0.0, 3.0], dtype=torch.float64)  # [total, stale]
-    one = embedding(ids[3:4], weight, src[3:4], prev, sumsq_out=(sums[:1], sums[1:]))
-    assert torch.equal(one[0], weight[250]) and sums[1].item() == 0.0
-    assert sums[0].item() == pytest.approx(weight[250].double().pow(2).sum().item(), rel=1e-6)
-    with pytest.raises(AssertionError, match="one row"):
-        embedding(ids, weight, sumsq_out=(sums[:1], sums[1:]))
 
 
 def test_launchers_reject_bad_inputs() -> None:
     f32, f16 = torch.float32, torch.float16
-    key = torch.randn(3, 2, 64)
-    cache = torch.zeros(2, 2, 4, 2, 64)
-    slots = torch.arange(3)
-    with pytest.raises(AssertionError):  # cache dtype differs from key
-        write_kv_cache(key, key, cache.half(), slots)
-    with pytest.raises(AssertionError):  # int32 slot mapping
-        write_kv_cache(key, key, cache, slots.int())
-    with pytest.raises(AssertionError):  # heads not contiguous within a token
-        write_kv_cache(key.transpose(0, 1).contiguous().transpose(0, 1), key, cache, slots)
-    with pytest.raises(AssertionError):  # head_dim mismatch
-        write_kv_cache(key, key, torch.zeros(2, 2, 4, 2, 32), slots)
 
     x, weight = torch.randn(3, 96), torch.ones(96)
     with pytest.raises(AssertionError):  # weight dtype differs
@@ -316,16 +224,24 @@ def test_launchers_reject_bad_inputs() -> None:
 
     q, k = torch.randn(3, 4, 64), torch.randn(3, 2, 64)
     cos_sin_cache, positions = torch.zeros(16, 64), torch.arange(3)
-    with pytest.raises(AssertionError):  # fp16 cache
-        apply_rotary(q, k, positions, cos_sin_cache.to(f16))
-    with pytest.raises(AssertionError):  # q and k dtypes differ
-        apply_rotary(q, k.to(f16), positions, cos_sin_cache)
-    with pytest.raises(AssertionError):  # int32 positions
-        apply_rotary(q, k, positions.int(), cos_sin_cache)
-    with pytest.raises(AssertionError):  # cache width != head_dim
-        apply_rotary(q, k, positions, torch.zeros(16, 32, dtype=f32))
-    with pytest.raises(AssertionError):  # wrong number of positions
-        apply_rotary(q, k, torch.arange(4), cos_sin_cache)
+    kv_cache, slots = torch.zeros(2, 2, 4, 2, 64), torch.arange(3)
+
+    def rotary(q=q, k=k, positions=positions, cos_sin_cache=cos_sin_cache, kv_cache=kv_cache,
+               slots=slots):  # fmt: skip
+        apply_rotary_and_write_kv(q, k, k, positions, cos_sin_cache, kv_cache, slots)
+
+    for bad in (
+        dict(cos_sin_cache=cos_sin_cache.to(f16)),  # fp16 angles
+        dict(k=k.to(f16)),  # q and k dtypes differ
+        dict(positions=positions.int()),  # int32 positions
+        dict(cos_sin_cache=torch.zeros(16, 32, dtype=f32)),  # width != head_dim
+        dict(positions=torch.arange(4)),  # wrong number of positions
+        dict(kv_cache=kv_cache.half()),  # cache dtype differs from k
+        dict(slots=slots.int()),  # int32 slot mapping
+        dict(kv_cache=torch.zeros(2, 2, 4, 2, 32)),  # head_dim mismatch
+    ):
+        with pytest.raises(AssertionError):
+            rotary(**bad)
 
     ids, table = torch.arange(3), torch.randn(10, 16)
     with pytest.raises(AssertionError, match="input_ids"):  # int32 ids

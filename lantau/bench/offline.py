@@ -13,6 +13,7 @@ import torch
 
 from lantau.bench.monitor import GpuUtilSampler
 from lantau.bench.workloads import Workload, make_workload
+from lantau.kv_cache.manager import cdiv
 from lantau.request import SamplingParams
 
 
@@ -108,7 +109,7 @@ def batch1_graph(graphs, keys: int, block_size: int) -> torch.cuda.CUDAGraph:
     """The captured batch-1 decode graph (a CudaGraphRunner's) that serves `keys` keys (its
     short-context one if they fit), its row set to them on cache blocks 0, 1, ... and writing no
     KV: the graph to time alone."""
-    num_blocks = -(-keys // block_size)
+    num_blocks = cdiv(keys, block_size)
     graphs.seq_lens[:1].fill_(keys)
     graphs.block_tables[0, :num_blocks] = torch.arange(
         num_blocks, dtype=torch.int32, device=graphs.block_tables.device

@@ -4,7 +4,8 @@ builds its config here and never imports torch. A device, dtype or attention bac
 
 from __future__ import annotations
 
-from lantau.config import CacheConfig, EngineConfig, SchedulerConfig
+from lantau import envs
+from lantau.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
 from lantau.model.source import ModelSource, read_model_config, resolve_model_source
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -37,8 +38,10 @@ def build_engine_config(
     attention_backend: str = "auto",
     enforce_eager: bool = False,
     async_scheduling: bool = True,
+    kernels: KernelConfig | None = None,
 ) -> tuple[EngineConfig, ModelSource]:
-    """The frozen EngineConfig and the model source, from user-facing arguments."""
+    """The frozen EngineConfig and the model source, from user-facing arguments. `kernels`:
+    the triton backend's choices (default: KernelConfig's, PDL as LANTAU_PDL says)."""
     if tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: only 1 is supported so far")
     source = resolve_model_source(model)
@@ -63,6 +66,7 @@ def build_engine_config(
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
         async_scheduling=async_scheduling,
+        kernels=kernels or KernelConfig(enable_pdl=envs.pdl_enabled()),
         cache=CacheConfig(
             block_size=block_size,
             num_blocks=num_kv_blocks,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from lantau.config import EngineConfig
@@ -22,85 +21,12 @@ from lantau.engine.args import resolve_device
 from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
 from lantau.model.loader import ModelSource, build_model
-from lantau.request import FinishReason, Request, SamplingParams, validate_prompt
-from lantau.runner.model_runner import LaunchedStep, ModelRunner, kv_cache_bytes_per_block
-from lantau.sampling.sampler import SamplingRow
+from lantau.request import FinishReason, Request, validate_prompt
+from lantau.runner.model_runner import LaunchedStep, ModelRunner
 from lantau.scheduler.output import EngineCoreOutput, SchedulerOutput
 from lantau.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-# Headroom kept free on the card beyond the profiled peak: CUDA graphs, allocator slack.
-CUDA_HEADROOM_BYTES = 1 << 30
-
-
-def num_kv_blocks(config: EngineConfig, dtype: torch.dtype, peak_bytes: int) -> int:
-    """KV blocks that fit the memory budget once weights and a worst-case step's peak are
-    counted (`peak_bytes`: torch's peak allocation during the profiling step)."""
-    per_block = kv_cache_bytes_per_block(config, dtype)
-    device = torch.device(config.device)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        not_torch = total - free - torch.cuda.memory_reserved(device)  # context, NCCL, ...
-        budget = int(total * config.cache.gpu_memory_utilization) - not_torch - peak_bytes
-        budget -= CUDA_HEADROOM_BYTES
-    else:
-        budget = config.cache.cpu_kv_cache_bytes
-    return max(budget // per_block, 0)
-
-
-def profile_inputs(config: EngineConfig):
-    """A worst-case step for profiling: a full token budget of prefill as max_model_len prompts
-    (the last one shorter), each on its own blocks from 0 up, and logits for max_num_seqs rows.
-    Returns (StepInputs, the number of KV blocks it covers)."""
-    from lantau.runner.model_runner import StepInputs
-
-    sched, block_size = config.scheduler, config.cache.block_size
-    num_tokens = sched.max_num_batched_tokens
-    longest = min(num_tokens, sched.max_model_len)
-    lens = [longest] * (num_tokens // longest) + [num_tokens % longest] * bool(num_tokens % longest)
-    blocks = [cdiv(n, block_size) for n in lens]
-    first = np.cumsum([0, *blocks])[:-1]
-    block_tables = np.zeros((len(lens), max(blocks)), dtype=np.int32)
-    for i, (start, n) in enumerate(zip(first, blocks, strict=True)):
-        block_tables[i, :n] = np.arange(start, start + n)
-    inputs = StepInputs(
-        input_ids=np.zeros(num_tokens, dtype=np.int64),
-        positions=np.concatenate([np.arange(n, dtype=np.int64) for n in lens]),
-        slot_mapping=np.concatenate(
-            [
-                b * block_size + np.arange(n, dtype=np.int64)
-                for b, n in zip(first, lens, strict=True)
-            ]
-        ),
-        query_start_loc=np.cumsum([0, *lens]).astype(np.int32),
-        seq_lens=np.array(lens, dtype=np.int32),
-        block_tables=block_tables,
-        sample_ids=[],
-        logits_indices=np.full(min(sched.max_num_seqs, num_tokens), num_tokens - 1),
-    )
-    return inputs, sum(blocks)
-
-
-@torch.inference_mode()
-def profile_peak_bytes(config: EngineConfig, model, dtype: torch.dtype) -> int:
-    """Peak device memory of a worst-case step (profile_inputs) with its sampling, less the
-    throwaway KV cache it runs on."""
-    device = torch.device(config.device)
-    if device.type != "cuda":
-        return 0
-    inputs, num_blocks = profile_inputs(config)
-    runner = ModelRunner(config, model, num_blocks, device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    logits = runner._forward_logits(inputs)
-    rows = [SamplingRow(SamplingParams(top_p=0.9, top_k=50), None, [], [])] * len(logits)
-    runner.sampler(logits, rows)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    del runner, logits
-    torch.cuda.empty_cache()
-    return peak - num_blocks * kv_cache_bytes_per_block(config, dtype)
 
 
 class EngineCore:
@@ -116,11 +42,9 @@ class EngineCore:
             config.seed,
             ops=config.attention_backend,
             max_positions=config.scheduler.max_model_len,
+            kernels=config.kernels,
         )
-        if config.cache.num_blocks:
-            num_blocks = config.cache.num_blocks
-        else:
-            num_blocks = num_kv_blocks(config, dtype, profile_peak_bytes(config, model, dtype))
+        num_blocks = config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
         needed = cdiv(config.scheduler.max_model_len, config.cache.block_size)
         if num_blocks < needed:
             raise ValueError(

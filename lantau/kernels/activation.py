@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -36,7 +35,9 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, use_pdl: bool = True
+) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up], in fp32, rounded once to x's dtype.
 
     x: [num_tokens, 2 * d], any row stride, last dim contiguous; out: [num_tokens, d] (new if
@@ -62,15 +63,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         out.stride(0),
         d,
         BLOCK_SIZE=block_size,
-        **pdl.launch_options(x.device),
+        **pdl.launch_options(x.device, use_pdl),
         # about 8 elements per thread: 16-byte fp16 loads
         num_warps=min(max(block_size // 256, 1), 16),
     )
     return out
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """Torch reference: LlamaMLP's `F.silu(gate) * up`, but rounded once, from fp32."""
-    # x: [num_tokens, 2 * d] -> [num_tokens, d]
-    gate, up = x.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x.dtype)

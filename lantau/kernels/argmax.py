@@ -1,8 +1,7 @@
 """Greedy pick in one launch: each row's argmax (the first index among equal maxima).
 
-torch's argmax gives a row to one program; the two-stage torch version in the sampler spreads a
-row over the SMs but takes five launches, about 60 us at batch 1 on an H200 for llama3's 128k
-logits (benchmarks/runs/2026-12-03k-w2_greedy_ab.log), 1.5 % of a W2 token. Here a row's
+torch's argmax gives a row to one program; the two-stage torch version in the sampler
+(argmax_rows) spreads a row over the SMs but takes five launches. Here a row's
 chunks run as separate programs; each packs its chunk's maximum and index into one int64
 ordered like (value, -index) and folds it into the row's slot with an atomic max; the row's last
 program (an atomic counter) unpacks the winner and leaves slot and counter reset for the next
@@ -22,8 +21,6 @@ BLOCK = 4096  # logits a program reads
 _MAX_ROWS = 4096
 _scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _EMPTY = -(2**63)  # a slot's value between launches: below every packed key
-# launched with PDL where supported (off: for same-run comparisons)
-use_pdl = True
 
 
 @triton.jit
@@ -75,7 +72,9 @@ def _buffers(device: torch.device, num_rows: int) -> tuple[torch.Tensor, torch.T
     return _scratch[device]
 
 
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(
+    logits: torch.Tensor, out: torch.Tensor | None = None, use_pdl: bool = True
+) -> torch.Tensor:
     """logits.argmax(-1) for [R, V] logits (fp32, fp16, bf16; last dim contiguous) in one
     launch: [R] int64, into `out` if given. Rows holding NaN give an unspecified index (torch
     gives the NaN's)."""
@@ -96,8 +95,3 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         num_warps=8, **pdl.launch_options(logits.device, use_pdl),
     )  # fmt: skip
     return out
-
-
-def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
-    """Torch reference: the first index of each row's maximum."""
-    return logits.float().argmax(dim=-1)

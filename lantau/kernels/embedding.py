@@ -3,8 +3,7 @@
 A CUDA-graph decode step learns some of its input tokens only on the device: those the step
 before sampled. Each row then names a source (`pick_src`): -1 takes the host's id, s >= 0 the
 id in `prev_ids[s]`. Picking with torch and then embedding takes five launches (compare, clamp,
-gather, where, index_select), about 10 us at the start of every W2 token on an H200
-(runs/2026-12-03m-w2_engine_trace.json.gz); here it is one.
+gather, where, index_select) at the start of every decode step; here it is one.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
-from lantau.kernels.gemv import _add_sumsq
 from lantau.kernels.pdl import pdl_wait
 
 BLOCK = 1024  # hidden dims a program copies
@@ -27,13 +25,10 @@ def _embedding_kernel(
     prev_ptr,  # [*] int64, when PICK
     weight_ptr,  # [vocab_size, hidden]
     out_ptr,  # [num_tokens, hidden]
-    ss_out_ptr,  # fp64 [1], when SUMSQ_OUT: the row's sum of squares added to it (1 row)
-    ss_zero_ptr,  # fp64 [1], when SUMSQ_OUT: zeroed
     hidden,
     stride_weight,
     stride_out,
     PICK: tl.constexpr,
-    SUMSQ_OUT: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -48,8 +43,6 @@ def _embedding_kernel(
             token = tl.load(prev_ptr + src)
     x = tl.load(weight_ptr + token * stride_weight + offs, mask=mask)
     tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, x, mask=mask)
-    if SUMSQ_OUT:  # as gemv's residual writes (gemv._add_sumsq)
-        _add_sumsq(x, mask, ss_out_ptr, ss_zero_ptr, tl.program_id(1))
 
 
 def embedding(
@@ -57,12 +50,10 @@ def embedding(
     weight: torch.Tensor,
     pick_src: torch.Tensor | None = None,
     prev_ids: torch.Tensor | None = None,
-    sumsq_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_pdl: bool = True,
 ) -> torch.Tensor:
     """weight[ids] as [num_tokens, hidden], ids[i] = prev_ids[pick_src[i]] where pick_src[i] >= 0
-    (both given), else input_ids[i]. Ids are not range-checked: callers validate them.
-    `sumsq_out` (one row; fp64 [1] views (total, stale)): the row's sum of squares added to
-    `total`, `stale` zeroed, as gemv's."""
+    (both given), else input_ids[i]. Ids are not range-checked: callers validate them."""
     assert input_ids.dim() == 1 and input_ids.dtype == torch.int64, "input_ids: [n] int64"
     assert weight.dim() == 2 and weight.stride(1) == 1, f"weight {tuple(weight.shape)}"
     pick = pick_src is not None
@@ -73,29 +64,12 @@ def embedding(
         for t in (input_ids, pick_src, prev_ids):
             assert t.device == weight.device and t.stride(0) == 1, "ids: contiguous, one device"
     num_tokens, hidden = input_ids.shape[0], weight.shape[1]
-    if sumsq_out is not None:
-        assert num_tokens == 1, f"sumsq_out: one row, got {num_tokens}"
-        for t in sumsq_out:
-            assert t.shape == (1,) and t.dtype == torch.float64, "sums: fp64 [1]"
     out = torch.empty((num_tokens, hidden), dtype=weight.dtype, device=weight.device)
     if num_tokens == 0:
         return out
     _embedding_kernel[(num_tokens, triton.cdiv(hidden, BLOCK))](
         input_ids, pick_src if pick else input_ids, prev_ids if pick else input_ids, weight,
-        out, *(sumsq_out or (out, out)), hidden, weight.stride(0), out.stride(0), PICK=pick,
-        SUMSQ_OUT=sumsq_out is not None, BLOCK=BLOCK,
-        **pdl.launch_options(weight.device),
+        out, hidden, weight.stride(0), out.stride(0), PICK=pick, BLOCK=BLOCK,
+        **pdl.launch_options(weight.device, use_pdl),
     )  # fmt: skip
     return out
-
-
-def embedding_ref(
-    input_ids: torch.Tensor,
-    weight: torch.Tensor,
-    pick_src: torch.Tensor | None = None,
-    prev_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Torch reference."""
-    if pick_src is not None:
-        input_ids = torch.where(pick_src >= 0, prev_ids[pick_src.clamp(min=0)], input_ids)
-    return torch.nn.functional.embedding(input_ids, weight)

@@ -8,7 +8,7 @@ visible.
 
 The contract every kernel taking `USE_PDL` keeps, in every program, on every path:
 1. before `pdl_wait` it loads only tensors no kernel writes (weights, the rotary cos/sin
-   cache) and stores nothing; the exceptions, decode attention's `early_kv` and the fused
+   cache) and stores nothing; the exceptions, small-batch decode attention and the fused
    rotary + KV write, load cache slots and step inputs (positions, slots, sequence lengths,
    block tables) that no kernel of the running step writes, the step's first kernel waiting
    for the host-to-device copy of those inputs (in stream order, or through an event when
@@ -21,37 +21,26 @@ the caching allocator hands out again are never written early.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-_enabled = os.environ.get("LANTAU_PDL", "1") != "0"
-
-
-def set_enabled(enabled: bool) -> None:
-    """Turn PDL on or off for launches from now on (for same-run comparisons)."""
-    global _enabled
-    _enabled = enabled
-
-
-def enabled(device: torch.device) -> bool:
-    return _enabled and device.type == "cuda" and _supported(device.index)
+from lantau import envs
 
 
 @functools.cache
 def _supported(index: int | None) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if envs.triton_interpret():
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def launch_options(device: torch.device, on: bool = True) -> dict:
+def launch_options(device: torch.device, on: bool) -> dict:
     """Kwargs for launching a kernel that takes USE_PDL: the constexpr, and the launch flag when
-    on (left out when off, as the interpreter takes no such flag). `on` False: off for this
-    launch whatever the device (a kernel's own knob, for same-run comparisons)."""
-    if on and enabled(device):
+    `on` (KernelConfig.enable_pdl) and the device has PDL (left out when off, as the
+    interpreter takes no such flag)."""
+    if on and device.type == "cuda" and _supported(device.index):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 

@@ -1,8 +1,9 @@
 """RMSNorm, alone and fused with the residual add that precedes it in every decoder layer.
 
-The math is lantau.model.llama.RMSNorm: normalise in fp32, round to the input dtype, then
-multiply by the weight and round again, so outputs match the torch module bit for bit up to the
-order of the fp32 sum of squares. One program normalises one token row held whole in registers.
+The math is lantau.kernels.reference.rms_norm_ref (HF's LlamaRMSNorm): normalise in fp32, round
+to the input dtype, then multiply by the weight and round again, so outputs match the reference
+bit for bit up to the order of the fp32 sum of squares. The weight is loaded before the PDL wait
+(no kernel writes it). One program normalises one token row held whole in registers.
 """
 
 from __future__ import annotations
@@ -22,20 +23,16 @@ def _normalize_row(x, weight, out_ptr, hidden_size, eps):
     # stores the result)
     out_dtype = out_ptr.dtype.element_ty
     inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
-    # round before the weight multiply, as RMSNorm.forward does (`weight * xf.to(x.dtype)`)
+    # round before the weight multiply, as rms_norm_ref does (`weight * xf.to(x.dtype)`)
     normed = (x * inv_rms).to(out_dtype).to(tl.float32)
     return (normed * weight).to(out_dtype)
 
 
 @triton.jit
-def _weight_and_wait(weight_ptr, offs, mask, USE_PDL: tl.constexpr, EARLY: tl.constexpr):
-    """The norm's weight in fp32, and the PDL wait: the weight first when EARLY (no kernel
-    writes it), else after."""
-    if EARLY:
-        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _weight_and_wait(weight_ptr, offs, mask, USE_PDL: tl.constexpr):
+    """The norm's weight in fp32, loaded before the PDL wait (no kernel writes it)."""
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
-    if not EARLY:
-        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return weight
 
 
@@ -50,12 +47,11 @@ def _rms_norm_kernel(
     eps,
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
     USE_PDL: tl.constexpr,
-    EARLY: tl.constexpr = True,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
     mask = offs < hidden_size
-    weight = _weight_and_wait(weight_ptr, offs, mask, USE_PDL, EARLY)
+    weight = _weight_and_wait(weight_ptr, offs, mask, USE_PDL)
     x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
     out = _normalize_row(x, weight, out_ptr, hidden_size, eps)
     tl.store(out_ptr + row * out_row_stride + offs, out, mask=mask)
@@ -72,12 +68,11 @@ def _fused_add_rms_norm_kernel(
     eps,
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
     USE_PDL: tl.constexpr,
-    EARLY: tl.constexpr = True,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
     mask = offs < hidden_size
-    weight = _weight_and_wait(weight_ptr, offs, mask, USE_PDL, EARLY)
+    weight = _weight_and_wait(weight_ptr, offs, mask, USE_PDL)
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * residual_row_stride
     x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
@@ -106,10 +101,9 @@ def _num_warps(block_size: int) -> int:
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
-    early: bool = True,
+    use_pdl: bool = True,
 ) -> torch.Tensor:  # fmt: skip
-    """RMSNorm of each row of x (any row stride) into out (new if None). `early`: the weight
-    is loaded before the PDL wait (off for same-run comparisons)."""
+    """RMSNorm of each row of x (any row stride) into out (new if None)."""
     # x, out: [num_tokens, hidden_size]; weight: [hidden_size]
     assert weight.dim() == 1 and weight.is_contiguous(), f"weight {tuple(weight.shape)}"
     _check_rows("x", x, weight)
@@ -130,18 +124,16 @@ def rms_norm(
         hidden_size,
         eps,
         BLOCK_SIZE=block_size,
-        EARLY=early,
-        **pdl.launch_options(x.device),
+        **pdl.launch_options(x.device, use_pdl),
         num_warps=_num_warps(block_size),
     )
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, early: bool = True
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, use_pdl: bool = True
 ) -> None:
-    """In place: residual = x + residual (rounded to its dtype); x = RMSNorm(residual).
-    `early` as rms_norm's."""
+    """In place: residual = x + residual (rounded to its dtype); x = RMSNorm(residual)."""
     # x, residual: [num_tokens, hidden_size], any row strides; weight: [hidden_size]
     assert weight.dim() == 1 and weight.is_contiguous(), f"weight {tuple(weight.shape)}"
     _check_rows("x", x, weight)
@@ -160,23 +152,6 @@ def fused_add_rms_norm(
         hidden_size,
         eps,
         BLOCK_SIZE=block_size,
-        EARLY=early,
-        **pdl.launch_options(x.device),
+        **pdl.launch_options(x.device, use_pdl),
         num_warps=_num_warps(block_size),
     )
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Torch reference: lantau.model.llama.RMSNorm.forward."""
-    # x: [num_tokens, hidden_size]
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> None:
-    """Torch reference of fused_add_rms_norm, in place like the kernel."""
-    residual.copy_(x + residual)
-    x.copy_(rms_norm_ref(residual, weight, eps))

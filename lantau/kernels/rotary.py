@@ -1,4 +1,4 @@
-"""Rotary position embedding, rotate-half (HF / NeoX) convention, applied in place to q and k.
+"""Rotary position embedding, rotate-half (HF / NeoX) convention, fused with the KV-cache write.
 
 cos_sin_cache row p holds cos(p * inv_freq) then sin(p * inv_freq), head_dim values in all:
 
@@ -8,11 +8,9 @@ and element d < h of a head pairs with element d + h:
     out[d]     = x[d]     * cos f_d - x[d + h] * sin f_d
     out[d + h] = x[d + h] * cos f_d + x[d]     * sin f_d
 
-as lantau.model.llama.apply_rope computes it. One program rotates every q and k head of a token.
-
-`apply_rotary_and_write_kv` also stores the rotated keys and the values straight into their
-paged-cache slots (one launch instead of two, k and v read once): the model's path on the
-triton backend, since attention reads keys from the cache, not from k.
+as lantau.kernels.reference.rotary_ref computes it. One program rotates every q and k head of a
+token; q in place, while the rotated keys and the values go straight into their paged-cache
+slots (attention reads keys from the cache, not from k).
 """
 
 from __future__ import annotations
@@ -64,52 +62,8 @@ def _rotate_heads(
     tl.store(row_ptr + offs + HALF_DIM, out2.to(row_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _apply_rotary_kernel(
-    q_ptr,
-    k_ptr,
-    positions_ptr,
-    cos_sin_cache_ptr,
-    q_row_stride,
-    q_head_stride,
-    k_row_stride,
-    k_head_stride,
-    num_heads,
-    num_kv_heads,
-    HALF_DIM: tl.constexpr,  # head_dim // 2; constexpr so x2's offset is known aligned
-    BLOCK_HALF: tl.constexpr,  # next power of 2 of HALF_DIM
-    BLOCK_Q_HEADS: tl.constexpr,  # next power of 2 of num_heads
-    BLOCK_K_HEADS: tl.constexpr,  # next power of 2 of num_kv_heads
-    USE_PDL: tl.constexpr,
-):
-    pdl_wait(USE_PDL)
-    # int64: token * row_stride passes 2**31 on long prefills of wide models
-    token = tl.program_id(0).to(tl.int64)
-    cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
-    _rotate_heads(
-        q_ptr + token * q_row_stride,
-        q_head_stride,
-        num_heads,
-        cos,
-        sin,
-        HALF_DIM,
-        BLOCK_Q_HEADS,
-        BLOCK_HALF,
-    )
-    _rotate_heads(
-        k_ptr + token * k_row_stride,
-        k_head_stride,
-        num_kv_heads,
-        cos,
-        sin,
-        HALF_DIM,
-        BLOCK_K_HEADS,
-        BLOCK_HALF,
-    )
-
-
-def _launch_options(q: torch.Tensor, k: torch.Tensor) -> dict:
-    """Tile sizes and launch options both rotary kernels take, from q's and k's shapes."""
+def _launch_options(q: torch.Tensor, k: torch.Tensor, use_pdl: bool) -> dict:
+    """Tile sizes and launch options, from q's and k's shapes."""
     num_heads, head_dim = q.shape[1:]
     block_half = triton.next_power_of_2(head_dim // 2)
     block_q_heads = triton.next_power_of_2(num_heads)
@@ -120,71 +74,8 @@ def _launch_options(q: torch.Tensor, k: torch.Tensor) -> dict:
         BLOCK_K_HEADS=triton.next_power_of_2(k.shape[1]),
         # the q tile (the larger) at about 8 elements per thread, each half a 16-byte fp16 load
         num_warps=min(max(block_q_heads * block_half // 256, 1), 16),
-        **pdl.launch_options(q.device),
+        **pdl.launch_options(q.device, use_pdl),
     )
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> None:
-    """Rotate q and k in place by the angles of each token's position.
-
-    q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]; both may be
-    strided views of a fused qkv output (any row and head stride, last dim contiguous).
-    positions: [num_tokens] int64. cos_sin_cache: [max_position, head_dim] fp32 contiguous,
-    from lantau.model.ops.build_cos_sin_cache. Positions are not range-checked (that would
-    need a device sync).
-    """
-    num_tokens, num_heads, head_dim = q.shape
-    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (
-        f"k {tuple(k.shape)} does not match q {tuple(q.shape)}"
-    )
-    assert head_dim % 2 == 0, f"head_dim must be even, got {head_dim}"
-    assert positions.shape == (num_tokens,), f"positions {tuple(positions.shape)}"
-    assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim, (
-        f"cos_sin_cache {tuple(cos_sin_cache.shape)} must be [max_position, {head_dim}]"
-    )
-    assert q.dtype == k.dtype, f"q {q.dtype} != k {k.dtype}"
-    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype}"
-    assert positions.dtype == torch.int64, f"positions must be int64, got {positions.dtype}"
-    assert cos_sin_cache.dtype == torch.float32, f"cos_sin_cache dtype {cos_sin_cache.dtype}"
-    assert q.device == k.device == positions.device == cos_sin_cache.device
-    assert q.stride(2) == 1 and k.stride(2) == 1, f"strides q {q.stride()}, k {k.stride()}"
-    assert positions.is_contiguous() and cos_sin_cache.is_contiguous()
-    if num_tokens == 0:
-        return
-    _apply_rotary_kernel[(num_tokens,)](
-        q,
-        k,
-        positions,
-        cos_sin_cache,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        num_heads,
-        k.shape[1],
-        **_launch_options(q, k),
-    )
-
-
-def apply_rotary_ref(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> None:
-    """Torch reference, in place like the kernel: lantau.model.llama.apply_rope on q and k."""
-    # [num_tokens, 1, head_dim // 2] each
-    cos, sin = cos_sin_cache[positions][:, None, :].chunk(2, dim=-1)
-    for x in (q, k):
-        x1, x2 = x.float().chunk(2, dim=-1)
-        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
-
-
-@triton.jit
-def _token_inputs(cos_sin_cache_ptr, positions_ptr, slot_mapping_ptr, token,
-                  HALF_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
-    """A token's cos and sin (at its position) and its cache slot."""
-    cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
-    return cos, sin, tl.load(slot_mapping_ptr + token)
 
 
 @triton.jit
@@ -210,20 +101,13 @@ def _rotary_write_kv_kernel(
     BLOCK_Q_HEADS: tl.constexpr,
     BLOCK_K_HEADS: tl.constexpr,
     USE_PDL: tl.constexpr,
-    EARLY: tl.constexpr = True,
 ):
     # the token's position, its cos / sin row and its slot before the PDL wait: step inputs no
     # kernel of the step writes, and a constant (pdl.py's contract)
     token = tl.program_id(0).to(tl.int64)
-    if EARLY:
-        cos, sin, slot = _token_inputs(
-            cos_sin_cache_ptr, positions_ptr, slot_mapping_ptr, token, HALF_DIM, BLOCK_HALF
-        )
+    cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
+    slot = tl.load(slot_mapping_ptr + token)
     pdl_wait(USE_PDL)
-    if not EARLY:
-        cos, sin, slot = _token_inputs(
-            cos_sin_cache_ptr, positions_ptr, slot_mapping_ptr, token, HALF_DIM, BLOCK_HALF
-        )
     _rotate_heads(
         q_ptr + token * q_row_stride, q_head_stride, num_heads, cos, sin,
         HALF_DIM, BLOCK_Q_HEADS, BLOCK_HALF,
@@ -252,12 +136,18 @@ def apply_rotary_and_write_kv(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    early: bool = True,
+    use_pdl: bool = True,
 ) -> None:
-    """Rotate q in place; store rotated k and v into cache slot slot_mapping[t] (slot < 0:
-    skipped). k itself is left as it was. Shapes and rules as apply_rotary and
-    lantau.kernels.kv_cache_write.write_kv_cache. `early`: positions, cos/sin and slots are
-    loaded before the PDL wait (off for same-run comparisons)."""
+    """Rotate q in place by the angles of each token's position; store rotated k and v into
+    cache slot slot_mapping[t] (slot < 0: skipped). k itself is left as it was.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]; all may be
+    strided views of a fused qkv output (any row and head stride, last dim contiguous).
+    positions, slot_mapping: [num_tokens] int64. cos_sin_cache: [max_position, head_dim] fp32
+    contiguous (lantau.model.ops.build_cos_sin_cache). kv_cache: [2, num_blocks, block_size,
+    num_kv_heads, head_dim] contiguous. Positions and slots are not range-checked (that would
+    need a device sync).
+    """
     num_tokens, num_heads, head_dim = q.shape
     assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (
         f"k {tuple(k.shape)} does not match q {tuple(q.shape)}"
@@ -284,5 +174,5 @@ def apply_rotary_and_write_kv(
     _rotary_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, kv_cache[0], kv_cache[1], slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        num_heads, k.shape[1], EARLY=early, **_launch_options(q, k),
+        num_heads, k.shape[1], **_launch_options(q, k, use_pdl),
     )  # fmt: skip

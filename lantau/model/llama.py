@@ -12,10 +12,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from lantau.config import ModelConfig, RopeScaling
+from lantau.config import KernelConfig, ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
-from lantau.model.ops import NormSums, Ops, build_cos_sin_cache, make_ops
-from lantau.runner.attention import ForwardContext
+from lantau.model.forward_context import ForwardContext
+from lantau.model.ops import Ops, build_cos_sin_cache, make_ops
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -44,9 +44,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        # the weight is all ones, multiplied into the projection after the norm instead
-        # (LlamaForCausalLM.fold_norm_weights)
-        self.folded = False
 
 
 class LlamaAttention(nn.Module):
@@ -64,20 +61,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
+        """The qkv projection of x, rotary, KV-cache write, attention and o_proj."""
         # x: [num_tokens, hidden_size]
-        return ops.linear(self.attend(x, ctx, ops), self.o_proj)  # [num_tokens, hidden]
-
-    def attend(
-        self, x: torch.Tensor, ctx: ForwardContext, ops: Ops, norm=None, sumsq=None
-    ) -> torch.Tensor:
-        """The qkv projection of x (of norm(x), x the residual stream, when `norm` is given;
-        `sumsq` x's sum of squares, NormSums), rotary, KV-cache write and attention:
-        [num_tokens, q_size]."""
         out = ops.qkv_attention(
             x, self.qkv_proj, self.num_heads, ctx.positions, ctx.cos_sin_cache,
-            ctx.kv_caches[self.layer_idx], ctx.attn, self.scale, norm=norm, sumsq=sumsq,
-        )  # fmt: skip
-        return out.reshape(-1, self.q_size)
+            ctx.kv_caches[self.layer_idx], ctx.attn, self.scale,
+        )  # fmt: skip  # [num_tokens, num_heads, head_dim]
+        return ops.linear(out.reshape(-1, self.q_size), self.o_proj)  # [num_tokens, hidden]
 
 
 class LlamaMLP(nn.Module):
@@ -113,21 +103,6 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         return self.mlp(x, ops), residual
 
-    def forward_fused(
-        self, h: torch.Tensor, ctx: ForwardContext, ops: Ops, sums: NormSums
-    ) -> torch.Tensor:
-        """The same layer on the whole residual stream h, each norm folded into the projection
-        after it, each residual add into the one before it, and the SiLU-and-mul into gate_up's
-        (`ops.fuses`); each residual write hands its sum of squares to the next norm through
-        `sums`: returns the new h."""
-        attn, mlp, slot = self.self_attn, self.mlp, 2 * self.self_attn.layer_idx
-        out = attn.attend(h, ctx, ops, norm=self.input_layernorm, sumsq=sums.reader(slot))
-        h = ops.linear_add(out, attn.o_proj, h, sumsq_out=sums.writer(slot + 1))
-        act = ops.norm_linear_silu_mul(
-            h, self.post_attention_layernorm, mlp.gate_up_proj, sumsq=sums.reader(slot + 1)
-        )
-        return ops.linear_add(act, mlp.down_proj, h, sumsq_out=sums.writer(slot + 2))
-
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -149,24 +124,25 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, ops: str = "torch", max_positions: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: str = "torch",
+        max_positions: int = 0,
+        kernels: KernelConfig | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.ops: Ops = make_ops(ops)
+        self.ops: Ops = make_ops(ops, kernels)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         device = self.lm_head.weight.device
         max_positions = max_positions or config.max_position_embeddings
         # NOTE: a plain attribute, not a buffer: it stays fp32 whatever the model's dtype
         self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(device), max_positions)
-        self._norm_sums: NormSums | None = None  # the fused path's, made on first use
-        self._final_sumsq: torch.Tensor | None = None  # set by a fused forward, for its logits
-        # decode_logits: the last residual add and the final norm in one op (off: for same-run
-        # comparisons)
-        self.fuse_final_norm = True
 
     def forward(
         self,
@@ -178,13 +154,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids: [num_tokens] -> the residual stream after the last layer, [num_tokens,
         hidden_size] (the final norm is compute_logits', on the rows that need logits).
         pick: (pick_src, prev_ids), token i's id taken from prev_ids[pick_src[i]] where
-        pick_src[i] >= 0 (Ops.embed). final_norm (not on the fused path): the final norm's
-        output instead, the last residual add and the norm one op (decode_logits)."""
+        pick_src[i] >= 0 (Ops.embed). final_norm: the final norm's output instead, the last
+        residual add and the norm one op (decode_logits)."""
         ctx.cos_sin_cache = self.cos_sin_cache
-        self._final_sumsq = None
-        if self.ops.fuses(input_ids.shape[0]):
-            assert not final_norm, "the fused path folds the final norm into lm_head"
-            return self._forward_fused(input_ids, ctx, pick)
         x = self.ops.embed(input_ids, self.model.embed_tokens.weight, *(pick or ()))
         residual = None
         for layer in self.model.layers:
@@ -203,59 +175,12 @@ class LlamaForCausalLM(nn.Module):
         """forward, then compute_logits of every row (a decode step): [num_tokens,
         vocab_size], the last residual add and the final norm in one op (one launch fewer, and
         no torch add between the PDL launches around it)."""
-        if self.ops.fuses(input_ids.shape[0]) or not self.fuse_final_norm:
-            return self.compute_logits(self(input_ids, ctx, pick))
         return self.ops.linear(self(input_ids, ctx, pick, final_norm=True), self.lm_head)
 
-    def _forward_fused(self, input_ids, ctx: ForwardContext, pick) -> torch.Tensor:
-        """forward's single-row path (`ops.fuses`): the layers' forward_fused on the residual
-        stream, which carries its sum of squares from each write to the norm after it."""
-        sums = self._norm_sums
-        if sums is None or sums.sums.device != input_ids.device:
-            sums = self._norm_sums = NormSums(len(self.model.layers), input_ids.device)
-        try:
-            h = self.ops.embed(
-                input_ids, self.model.embed_tokens.weight, *(pick or ()),
-                sumsq_out=sums.writer(0),
-            )  # fmt: skip
-            for layer in self.model.layers:
-                h = layer.forward_fused(h, ctx, self.ops, sums)
-        except BaseException:
-            sums.sums.zero_()  # a step cut short leaves no stale sum behind
-            raise
-        self._final_sumsq = sums.reader(sums.last)
-        return h
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, vocab_size] of the rows of the last forward's output (one row after a
-        fused forward, whose sum of squares the final norm then reads)."""
-        sumsq = self._final_sumsq if hidden.shape[0] == 1 else None
-        return self.ops.norm_linear(hidden, self.model.norm, self.lm_head, sumsq)
-
-    @torch.no_grad()
-    def fold_norm_weights(self) -> None:
-        """Multiply each RMSNorm's weight into the columns of the projection after it (qkv_proj,
-        gate_up_proj, and lm_head unless tied to the embedding) and make it ones
-        (RMSNorm.folded): the same model up to one rounding of those weights, whose fused
-        single-row GEMVs then load no norm weight."""
-        pairs = [
-            pair
-            for layer in self.model.layers
-            for pair in (
-                (layer.input_layernorm, layer.self_attn.qkv_proj),
-                (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
-            )
-        ]
-        if self.lm_head.weight is not self.model.embed_tokens.weight:
-            pairs.append((self.model.norm, self.lm_head))
-        for norm, linear in pairs:
-            if norm.folded:
-                continue
-            scale = norm.weight.float()
-            for rows in linear.weight.split(8192):  # fp32 a slice at a time
-                rows.copy_(rows.float() * scale)
-            norm.weight.fill_(1.0)
-            norm.folded = True
+        """[num_rows, vocab_size]: the final norm and lm_head on rows of forward's output."""
+        norm = self.model.norm
+        return self.ops.linear(self.ops.rms_norm(hidden, norm.weight, norm.eps), self.lm_head)
 
     def _shard_slice(self, fused: str, shard: int) -> slice:
         c = self.config
@@ -268,8 +193,6 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
-        if any(isinstance(m, RMSNorm) and m.folded for m in self.modules()):
-            raise ModelLoadError("weights load into a model whose norms are not folded yet")
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         loaded: set[str] = set()
         shards: dict[str, set[int]] = {}  # fused parameter -> shards copied so far

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from lantau.config import ModelConfig
+from lantau.config import KernelConfig, ModelConfig
 from lantau.model import hf_loader
 from lantau.model.llama import LlamaForCausalLM
 from lantau.model.source import (  # noqa: F401 - re-exported: where a model comes from
@@ -37,10 +37,11 @@ def build_model(
     seed: int,
     ops: str = "torch",
     max_positions: int = 0,
+    kernels: KernelConfig | None = None,
 ) -> LlamaForCausalLM:
     """The model on `device` in `dtype`, with its weights (random ones drawn there)."""
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(config, ops, max_positions)
+        model = LlamaForCausalLM(config, ops, max_positions, kernels)
     if source.kind == "random":
         model.init_random_weights(seed)
     elif source.kind == "hf":

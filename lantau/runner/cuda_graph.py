@@ -8,9 +8,9 @@ A step's inputs reach the device in one copy of one buffer, staged in pinned hos
 padding rows included: int64 input ids, positions, slots, and for each row whose input token
 the previous step sampled on the device, that token's row in the previous step's ids buffer
 (the runner's `token_ids`), else -1; then int32 sequence lengths and block tables. The graph's
-first kernel picks each row's input token from those ids or the host's as it embeds it. With
-`greedy_in_graph` (on, see there) the graph ends with the greedy pick of each row, written into
-its own ids buffer: for an all-greedy batch the sampler takes it.
+first kernel picks each row's input token from those ids or the host's as it embeds it. The
+graph ends with the greedy pick of each row (the argmax kernel), written into its own ids
+buffer: for an all-greedy batch the sampler takes it; a sampled batch pays the kernel's few us.
 
 Turns. Everything a graph reads or writes between steps comes in two copies, one per turn:
 the input buffer, and the runner's ids buffers (turn t's graphs write `token_ids[t]` and read
@@ -35,8 +35,9 @@ import torch
 
 from lantau.config import EngineConfig
 from lantau.kv_cache.manager import cdiv
+from lantau.model.forward_context import AttentionMetadata, ForwardContext
 from lantau.model.llama import LlamaForCausalLM
-from lantau.runner.attention import AttentionMetadata, ForwardContext
+from lantau.runner.step_inputs import StepInputs
 from lantau.sampling.sampler import greedy_pick
 
 logger = logging.getLogger(__name__)
@@ -67,9 +68,9 @@ class GraphInputs:
         self.input_ids, self.positions, self.slot_mapping, self.pending_src = ids64.unbind(0)
         self.seq_lens = ids32[:n]
         self.block_tables = ids32[n:].view(n, max_blocks)
-        # bucket -> (graph, its logits [bs, vocab], its greedy ids [bs] or None); the short ones
-        # serve batches whose contexts are all within model.ops.short_context_keys(bucket)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        # bucket -> (graph, its logits [bs, vocab], its greedy ids [bs]); the short ones serve
+        # batches whose contexts are all within model.ops.short_context_keys(bucket)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.short_graphs: dict[int, tuple] = {}
         # the last replay that read the buffer (a copy into it waits for it)
         self.released: torch.cuda.Event | None = None
@@ -119,18 +120,8 @@ class CudaGraphRunner:
         # the stream that copies a step's inputs in, overlapping the graph before (None: the
         # current stream, behind that graph); see the module docstring
         self.copy_stream: torch.cuda.Stream | None = None
-        # the greedy pick inside the graph (see the module docstring), through the argmax
-        # kernel: W2 3.866 vs 3.911 / 3.913 ms/token, same run (runs/2026-12-03m-gemv_ab.log);
-        # with the two-stage torch argmax it gained nothing (4.039 vs 4.042,
-        # runs/2026-12-03k-w2_greedy_ab.log). A sampled batch pays the kernel's few us
-        self.greedy_in_graph = True
-        # that pick through the one-launch argmax kernel (as the sampler's `argmax_kernel`)
-        self.argmax_kernel = True
-        # each row's input token picked inside the embedding kernel (one launch), not by torch
-        # ops before it (five launches, ~10 us at batch 1)
-        self.fused_pick = True
 
-    def can_run(self, inputs) -> bool:
+    def can_run(self, inputs: StepInputs) -> bool:
         return inputs.max_query_len == 1 and inputs.num_reqs <= self.max_bs
 
     def _forward(self, bs: int, max_seq_len: int, turn: int) -> torch.Tensor:
@@ -142,34 +133,27 @@ class CudaGraphRunner:
             block_tables=inp.block_tables[:bs],
             max_query_len=1,
             max_seq_len=max_seq_len,  # an upper bound: kernels read true lengths
-            query_start_loc_cpu=[],
-            seq_lens_cpu=[],
         )
         ctx = ForwardContext(meta, self.kv_caches, inp.positions[:bs])
-        src, prev_ids = inp.pending_src[:bs], self.token_ids[1 - turn]
-        if self.fused_pick:
-            return self.model.decode_logits(inp.input_ids[:bs], ctx, (src, prev_ids))
-        input_ids = torch.where(src >= 0, prev_ids[src.clamp(min=0)], inp.input_ids[:bs])
-        return self.model.decode_logits(input_ids, ctx)  # [bs, vocab_size]
+        pick = (inp.pending_src[:bs], self.token_ids[1 - turn])  # input tokens picked on device
+        return self.model.decode_logits(inp.input_ids[:bs], ctx, pick)  # [bs, vocab_size]
 
     def _step(
         self, bs: int, max_seq_len: int | None = None, turn: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What turn `turn`'s graph runs: the logits, and (greedy_in_graph) each row's argmax,
-        also written to token_ids[turn] for the next step (a sampler that picks otherwise
-        overwrites it). max_seq_len: the bound on the rows' contexts the graph serves (default:
-        the model's)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What turn `turn`'s graph runs: the logits, and each row's argmax, also written to
+        token_ids[turn] for the next step (a sampler that picks otherwise overwrites it).
+        max_seq_len: the bound on the rows' contexts the graph serves (default: the model's)."""
         logits = self._forward(bs, max_seq_len or self.max_seq_len, turn)
-        if not self.greedy_in_graph:
-            return logits, None
         # [bs], a view of token_ids[turn] (the kernel writes it there: no copy node)
-        token_ids = greedy_pick(logits, self.argmax_kernel, out=self.token_ids[turn][:bs])
+        use_pdl = self.model.ops.config.enable_pdl
+        token_ids = greedy_pick(logits, out=self.token_ids[turn][:bs], use_pdl=use_pdl)
         return logits, token_ids
 
     def bucket(self, num_reqs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_reqs)]
 
-    def stage(self, inputs, bs: int, turn: int = 0) -> None:
+    def stage(self, inputs: StepInputs, bs: int, turn: int = 0) -> None:
         """Write a decode step's inputs, padded to `bs` rows, into turn `turn`'s buffer: one
         copy from pinned memory, queued without waiting (on copy_stream if set, after the
         turn's last replay; the current stream waits for it)."""
@@ -241,8 +225,8 @@ class CudaGraphRunner:
         return keys if keys < self.max_seq_len else 0
 
     def pick(
-        self, inputs, bs: int, turn: int = 0
-    ) -> tuple[torch.CUDAGraph, torch.Tensor, torch.Tensor | None]:
+        self, inputs: StepInputs, bs: int, turn: int = 0
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         """The turn's graph of the bucket for these inputs: its short-context one when every
         row fits."""
         inp = self.turns[turn]
@@ -250,8 +234,8 @@ class CudaGraphRunner:
             return inp.short_graphs[bs]
         return inp.graphs[bs]
 
-    def run(self, inputs, turn: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [bucket, vocab] and the greedy ids [bucket] (or None); the first
+    def run(self, inputs: StepInputs, turn: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [bucket, vocab] and the greedy ids [bucket]; the first
         inputs.num_reqs rows are real. turn: the runner's ids buffer this step writes."""
         bs = self.bucket(inputs.num_reqs)
         self.stage(inputs, bs, turn)

@@ -26,9 +26,12 @@ import numpy as np
 import torch
 
 from lantau.config import EngineConfig
+from lantau.kernels import require_triton
+from lantau.kv_cache.manager import cdiv
+from lantau.model.forward_context import AttentionMetadata, ForwardContext
 from lantau.model.llama import LlamaForCausalLM
 from lantau.request import SamplingParams
-from lantau.runner.attention import AttentionMetadata, ForwardContext
+from lantau.runner.step_inputs import StepInputs
 from lantau.sampling.sampler import (
     PendingSample,
     Sampler,
@@ -70,32 +73,6 @@ class BlockTable:
 
 
 @dataclass
-class StepInputs:
-    """One step's batch on the host (numpy), in request order."""
-
-    input_ids: np.ndarray  # [num_tokens] int64
-    positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    query_start_loc: np.ndarray  # [num_reqs + 1] int32
-    seq_lens: np.ndarray  # [num_reqs] int32
-    block_tables: np.ndarray  # [num_reqs, max_blocks] int32, padded with 0
-    sample_ids: list[str]  # requests that sample this step, in row order
-    logits_indices: np.ndarray  # [num_sample] int64: their last token's row
-    # input rows whose token the previous step sampled and the host has not seen yet, and
-    # that token's row in the previous step's sampled ids
-    pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens)
-
-    @property
-    def max_query_len(self) -> int:
-        return int(np.diff(self.query_start_loc).max())
-
-
-@dataclass
 class LaunchedStep:
     """A step queued on the device: its sampling rows and their logits."""
 
@@ -113,21 +90,58 @@ def kv_cache_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
     return 2 * m.num_hidden_layers * config.cache.block_size * m.kv_size * elem
 
 
+# Headroom kept free on the card beyond the profiled peak: CUDA graphs, allocator slack.
+CUDA_HEADROOM_BYTES = 1 << 30
+
+
+def profile_inputs(config: EngineConfig):
+    """A worst-case step for profiling: a full token budget of prefill as max_model_len prompts
+    (the last one shorter), each on its own blocks from 0 up, and logits for max_num_seqs rows.
+    Returns (StepInputs, the number of KV blocks it covers)."""
+    sched, block_size = config.scheduler, config.cache.block_size
+    num_tokens = sched.max_num_batched_tokens
+    longest = min(num_tokens, sched.max_model_len)
+    lens = [longest] * (num_tokens // longest) + [num_tokens % longest] * bool(num_tokens % longest)
+    blocks = [cdiv(n, block_size) for n in lens]
+    first = np.cumsum([0, *blocks])[:-1]
+    block_tables = np.zeros((len(lens), max(blocks)), dtype=np.int32)
+    for i, (start, n) in enumerate(zip(first, blocks, strict=True)):
+        block_tables[i, :n] = np.arange(start, start + n)
+    inputs = StepInputs(
+        input_ids=np.zeros(num_tokens, dtype=np.int64),
+        positions=np.concatenate([np.arange(n, dtype=np.int64) for n in lens]),
+        slot_mapping=np.concatenate(
+            [
+                b * block_size + np.arange(n, dtype=np.int64)
+                for b, n in zip(first, lens, strict=True)
+            ]
+        ),
+        query_start_loc=np.cumsum([0, *lens]).astype(np.int32),
+        seq_lens=np.array(lens, dtype=np.int32),
+        block_tables=block_tables,
+        sample_ids=[],
+        logits_indices=np.full(min(sched.max_num_seqs, num_tokens), num_tokens - 1),
+    )
+    return inputs, sum(blocks)
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int, device: torch.device
     ) -> None:
+        if device.type == "cuda":  # the sampler's greedy pick is a Triton kernel there
+            require_triton("running on CUDA")
         self.config = config
         self.model = model
         self.device = device
         self.block_size = config.cache.block_size
         self.kv_caches = allocate_kv_caches(config, num_blocks, model.lm_head.weight.dtype, device)
         self.states: dict[str, CachedRequestState] = {}
-        max_blocks = -(-config.scheduler.max_model_len // self.block_size)
+        max_blocks = cdiv(config.scheduler.max_model_len, self.block_size)
         self.block_table = BlockTable(config.scheduler.max_num_seqs, max_blocks)
         # per-request generators outlive preemption, so a seeded request resumes its stream
         self.generators: dict[str, torch.Generator] = {}
-        self.sampler = Sampler(seed=config.seed, device=device)
+        self.sampler = Sampler(config.seed, device, use_pdl=config.kernels.enable_pdl)
         # the last sampling step's rows and raw logits, kept by reference for parity checks
         self._last_sampled: tuple[list[str], torch.Tensor | None] = ([], None)
         # the last queued sampling: request id -> row, and the token ids on the device: two
@@ -141,9 +155,35 @@ class ModelRunner:
         self._last = 1
         self.graphs = None  # CudaGraphRunner, once captured
         # the copies between steps on their own streams, off the device's critical path: the
-        # graphs' inputs in, the sampled ids out (cuda_graph.py's docstring). W2 3.799 / 3.799
-        # vs 3.815 / 3.814 ms/token, same run (runs/2026-12-03zd-gpu_copy_streams.log)
+        # graphs' inputs in, the sampled ids out (cuda_graph.py's docstring)
         self.use_copy_streams(device.type == "cuda")
+
+    @classmethod
+    @torch.inference_mode()
+    def num_kv_blocks(cls, config: EngineConfig, model: LlamaForCausalLM) -> int:
+        """KV blocks that fit the memory budget once the weights and the peak of a worst-case
+        step (profile_inputs) with its sampling are counted; that step runs on a throwaway
+        runner whose own KV cache is not counted."""
+        dtype = model.lm_head.weight.dtype
+        per_block = kv_cache_bytes_per_block(config, dtype)
+        device = torch.device(config.device)
+        if device.type != "cuda":
+            return max(config.cache.cpu_kv_cache_bytes // per_block, 0)
+        inputs, num_blocks = profile_inputs(config)
+        runner = cls(config, model, num_blocks, device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        logits = runner._forward_logits(inputs)
+        rows = [SamplingRow(SamplingParams(top_p=0.9, top_k=50), None, [], [])] * len(logits)
+        runner.sampler(logits, rows)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - num_blocks * per_block
+        del runner, logits
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        not_torch = total - free - torch.cuda.memory_reserved(device)  # context, NCCL, ...
+        budget = int(total * config.cache.gpu_memory_utilization) - not_torch - peak
+        return max((budget - CUDA_HEADROOM_BYTES) // per_block, 0)
 
     @property
     def last_logits(self) -> dict[str, torch.Tensor]:
@@ -264,8 +304,6 @@ class ModelRunner:
             block_tables=tensor(inputs.block_tables),
             max_query_len=inputs.max_query_len,
             max_seq_len=int(inputs.seq_lens.max()),
-            query_start_loc_cpu=inputs.query_start_loc.tolist(),
-            seq_lens_cpu=inputs.seq_lens.tolist(),
         )
         ctx = ForwardContext(meta, self.kv_caches, tensor(inputs.positions))
         input_ids = tensor(inputs.input_ids)
@@ -299,8 +337,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(inputs):
             # the turn: the ids buffer this step writes, the one the last sampling step did not
             logits, greedy_ids = self.graphs.run(inputs, 1 - self._last)
-            logits = logits[:num_sample]
-            greedy_ids = None if greedy_ids is None else greedy_ids[:num_sample]
+            logits, greedy_ids = logits[:num_sample], greedy_ids[:num_sample]
         else:
             logits = self._forward_logits(inputs)
         if not inputs.sample_ids:

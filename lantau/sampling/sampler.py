@@ -79,8 +79,8 @@ def _argmax_chunk(vocab_size: int) -> int:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1) (the first index among equal maxima), for a few rows in two stages:
     the argmax of each chunk of the row, then of the chunks' maxima. One program per row, as
-    the plain reduction runs it, takes 38 us on an H200 for one 128k-token row (W2's step,
-    benchmarks/runs/2026-12-03c-w2_profile.log); chunks spread it over the SMs."""
+    the plain reduction runs it, leaves most SMs idle on one 128k-token row; chunks spread it
+    over the SMs."""
     num_rows, vocab_size = logits.shape
     chunk = _argmax_chunk(vocab_size)
     if num_rows >= 64 or not chunk:
@@ -260,15 +260,14 @@ class PendingSample:
 
 
 def greedy_pick(
-    logits: torch.Tensor, kernel: bool, out: torch.Tensor | None = None
+    logits: torch.Tensor, out: torch.Tensor | None = None, use_pdl: bool = True
 ) -> torch.Tensor:
     """Each row's argmax, [num_rows] int64 (written into `out` if given, and returned): on
-    CUDA with `kernel`, the one-launch Triton kernel (lantau/kernels/argmax.py), else
-    argmax_rows."""
-    if kernel and logits.device.type == "cuda":
+    CUDA the one-launch Triton kernel (lantau/kernels/argmax.py), else argmax_rows."""
+    if logits.device.type == "cuda":
         from lantau.kernels.argmax import argmax
 
-        return argmax(logits, out)
+        return argmax(logits, out, use_pdl)
     ids = argmax_rows(logits)
     return ids if out is None else out.copy_(ids)
 
@@ -276,22 +275,21 @@ def greedy_pick(
 class Sampler:
     """Picks one token per row of a logits batch; see the module docstring for semantics."""
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, seed: int = 0, device: torch.device | str = "cpu", use_pdl: bool = True
+    ) -> None:
         self.device = torch.device(device)
         # draws the exponential noise of rows without their own generator
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        # greedy rows on CUDA through the one-launch kernel (lantau/kernels/argmax.py) instead
-        # of argmax_rows' five launches: W2 4.010 vs 4.042 ms/token, same run, greedy tokens
-        # equal (runs/2026-12-03l-gemv_l2.log)
-        self.argmax_kernel = True
+        self.use_pdl = use_pdl  # the argmax kernel's (KernelConfig.enable_pdl)
         # the stream that copies the chosen ids (and logprobs) to the host, once the current
         # stream has computed them (None: the current stream, before whatever is queued next);
         # see PendingSample
         self.copy_stream: torch.cuda.Stream | None = None
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return greedy_pick(logits, self.argmax_kernel)
+        return greedy_pick(logits, use_pdl=self.use_pdl)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).resolve()

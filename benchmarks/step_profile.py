@@ -1,33 +1,73 @@
-"""W2's decode step inside the GPU, from a profiler trace (llama3-8b bf16, batch 1).
+"""Step profiler: W2's decode step inside the GPU, from a profiler trace (llama3-8b bf16, batch 1).
 
 1. The batch-1 decode CUDA graph at 384 keys, 5 replays under torch.profiler: per kernel
    (grouped by name) its time per step, and the device's busy time (the union of the kernel
    intervals; PDL overlaps a kernel's start with its predecessor's end) against the replay.
 2. 20 steps of W2 generation in the engine under the profiler: what runs on the device
    between two replays, and for how long.
-3. With --silu-ab: W2 itself with the SiLU-and-mul in gate_up's GEMV epilogue and without (on,
-   off, on; graphs recaptured; greedy tokens checked against the first).
 
-    PYTHONPATH=. python3 benchmarks/gpu_w2_profile.py [--silu-ab]
+Arms of the step (other KernelConfig values) are benchmarks/decode_arms.py's.
+
+    PYTHONPATH=. python3 benchmarks/step_profile.py
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
+import shutil
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.gpu_w3_host import device_timeline, export_trace_gz
 from lantau import LLM, SamplingParams
-from lantau.bench.offline import batch1_graph, replay_ms, run_lantau
+from lantau.bench.offline import batch1_graph, replay_ms
 from lantau.bench.workloads import make_workload
 
 OUT = os.environ.get("OUT", ".")
+
+
+def export_trace_gz(prof, path: str) -> None:
+    """The profiler's chrome trace, gzipped, at path (ending .gz)."""
+    raw = path.removesuffix(".gz")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+
+
+def device_timeline(prof, steps: int, wall_ms: float) -> dict:
+    """GPU busy time (union of kernel and copy intervals) and the largest idle gaps."""
+    evs = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+    )
+    busy, gaps, end, prev = 0.0, [], None, ""
+    for start, stop, name in evs:
+        if end is not None and start > end:
+            gaps.append((start - end, prev, name))
+        if end is None or start > end:
+            busy += stop - start
+        elif stop > end:
+            busy += stop - end
+        if end is None or stop > end:
+            end, prev = stop, name
+    gaps.sort(reverse=True)
+    span = (evs[-1][1] - evs[0][0]) / 1e3 if evs else 0.0
+    return {
+        "gpu_events": len(evs),
+        "span_ms": span,
+        "busy_ms_per_step": busy / 1e3 / steps,
+        "wall_ms_per_step": wall_ms,
+        "idle_ms_per_step": (span - busy / 1e3) / steps,
+        "gaps_over_20us": sum(1 for g in gaps if g[0] > 20),
+        "largest_gaps_us": [(round(g, 1), a[:60], b[:60]) for g, a, b in gaps[:12]],
+    }
 
 
 def kernel_table(prof, steps: int) -> list[tuple[str, float, int]]:
@@ -44,9 +84,7 @@ def kernel_table(prof, steps: int) -> list[tuple[str, float, int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--silu-ab", action="store_true")
-    silu_ab = parser.parse_args().silu_ab
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     llm = LLM("random:llama3-8b", max_model_len=1024, max_num_seqs=8)
     core = llm.engine.core
@@ -79,22 +117,7 @@ def main() -> None:
     res["between_replays"] = [r for r in steps if r[0] not in graph_names]
     res["engine_timeline"] = device_timeline(prof, 20, 0.0)
     export_trace_gz(prof, os.path.join(OUT, "w2_engine_trace.json.gz"))
-    ops = core.runner.model.ops
-    check = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
-    ref_tokens = None
-    for gated in (True, False, True) if silu_ab else ():
-        ops.fuse_gate_silu = gated
-        core.runner.capture_cuda_graphs()
-        graph_ms = replay_ms(batch1_graph(core.runner.graphs, 384, block_size), 50)
-        llm.reset_prefix_cache()
-        tokens = llm.generate(prompt, check)[0].outputs[0].token_ids
-        ref_tokens = ref_tokens or tokens
-        stats = run_lantau(llm, w2).summary()
-        res.setdefault("gate_silu_ab", []).append(
-            {"fuse_gate_silu": gated, "graph_ms": graph_ms, "ms_per_token": stats["ms_per_token"],
-             "tokens_equal": sum(a == b for a, b in zip(tokens, ref_tokens, strict=True))}
-        )  # fmt: skip
-    with open(os.path.join(OUT, "gpu_w2_profile.json"), "w") as f:
+    with open(os.path.join(OUT, "step_profile.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
     g = res["graph_timeline"]
@@ -109,10 +132,6 @@ def main() -> None:
     print(f"| W2 engine, 20 steps | {e['span_ms'] / 20:.3f} ms a step | busy "
           f"{e['busy_ms_per_step']:.3f}, idle {e['idle_ms_per_step']:.3f}; outside the graph "
           f"{between:.1f} us a step in {n_ops} ops |")  # fmt: skip
-    for r in res.get("gate_silu_ab", []):
-        print(f"| W2, SiLU in gate_up's GEMV: {r['fuse_gate_silu']} | {r['ms_per_token']:.3f} "
-              f"ms/token | graph bs1 at 384 keys {r['graph_ms']:.3f} ms; greedy tokens equal to "
-              f"the first {r['tokens_equal']}/32 |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,224 @@
+"""Tile sweeps of one kernel at llama3-8b's shapes on the lent GPU, each tiling checked against
+its torch reference; the best per shape is printed against the default in a closing table.
+
+    --kernel gemv          each batch-1 projection (32 weight copies rotated through a CUDA
+                           graph, so L2 holds none): cuBLAS, the K-loop tilings (default, or all
+                           with --all), with and without PDL, and the preloading tilings; TB/s
+    --kernel decode-attn   split decode attention: split counts x tiles at W3-1000's decode
+                           (384 rows of 1000-2000 keys) and W2's (1 row, 640 keys); TB/s of KV
+    --kernel prefill-attn  unified attention tiles at the W3 / W5 prefill shapes; TFLOP/s
+
+    PYTHONPATH=. python3 benchmarks/kernel_sweep.py --kernel gemv [--all]
+
+Results go to $OUT/kernel_sweep-<kernel>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+
+import torch
+
+HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16  # llama3-8b attention; 16-token cache blocks
+GEMV_SHAPES = {  # name -> (N, K, copies)
+    "qkv": (6144, 4096, 32),
+    "o": (4096, 4096, 32),
+    "gate_up": (28672, 4096, 32),
+    "down": (4096, 14336, 32),
+    "lm_head": (128256, 4096, 1),
+}
+GEMV_TILES = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8), (3, 4)))
+PRELOAD_TILES = [(2, 0, 4, 1), (4, 0, 4, 1), (4, 0, 8, 1), (8, 0, 8, 1), (2, 0, 2, 1)]
+DECODE_TILES = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 1), (32, 4, 3), (128, 8, 2)]
+PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default
+    (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 4, 2),
+    (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
+]  # fmt: skip
+PREFILL_SHAPES = {  # name -> [(context before, new tokens)] per request
+    "W3-2048 prefill 4x2048": [(0, 2048)] * 4,
+    "W3-1000 prefill 8x1000": [(0, 1000)] * 8,
+    "W3-128 prefill 64x128": [(0, 128)] * 64,
+    "W5 chunk 16x512 after 512": [(512, 512)] * 16,
+    "W3 mixed 8x1000 + 256 decodes at 1500": [(0, 1000)] * 8 + [(1499, 1)] * 256,
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def paged_batch(requests: list[tuple[int, int]], seed: int = 0):
+    """q [num_tokens, HEADS, DIM], a KV cache with shuffled blocks, query_start_loc, seq_lens
+    and block tables for requests of (context before, new tokens)."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    blocks_per = [-(-(c + n) // BLOCK) for c, n in requests]
+    num_blocks = sum(blocks_per) + 1
+    ids = list(range(1, num_blocks))
+    random.Random(seed).shuffle(ids)  # scattered, as blocks come to long-running requests
+    table = torch.zeros(len(requests), max(blocks_per), dtype=torch.int32)
+    pos = 0
+    for i, nb in enumerate(blocks_per):
+        table[i, :nb] = torch.tensor(ids[pos : pos + nb])
+        pos += nb
+    kv = torch.randn(2, num_blocks, BLOCK, KV_HEADS, DIM, generator=gen, device="cuda")
+    num_tokens = sum(n for _, n in requests)
+    q = torch.randn(num_tokens, HEADS, DIM, generator=gen, device="cuda").bfloat16()
+    qsl = [0, *itertools.accumulate(n for _, n in requests)]
+    seq = torch.tensor([c + n for c, n in requests], dtype=torch.int32)
+    return (
+        q, kv.bfloat16(), torch.tensor(qsl, dtype=torch.int32, device="cuda"), seq.cuda(),
+        table.cuda(),
+    )  # fmt: skip
+
+
+def sweep_gemv(all_tiles: bool) -> tuple[dict, list[str]]:
+    import torch.nn.functional as F
+
+    from lantau.bench.offline import graph_ms
+    from lantau.kernels.gemv import PRELOAD_MAX_K, default_config, gemv
+    from lantau.kernels.reference import gemv_ref
+
+    results, table = {}, []
+    for name, (n, k, copies) in GEMV_SHAPES.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in ws]
+        tb_s = sum(w.numel() * 2 for w in ws) / 1e9  # / ms: TB/s
+        ref = gemv_ref(xs[0], ws[0])
+
+        def chain(fn, xs=xs, ws=ws):
+            return graph_ms(lambda: [fn(x, w) for x, w in zip(xs, ws, strict=True)])
+
+        row = {"cublas": tb_s / chain(F.linear)}
+        for tile in GEMV_TILES if all_tiles else [default_config(n, k)]:
+            for pdl_on in (True, False):
+                if not pdl_on and tile != default_config(n, k):
+                    continue
+                key = f"{tile}{'' if pdl_on else ' no PDL'}"
+                try:
+                    if rel_err(gemv(xs[0], ws[0], config=tile), ref) > 1e-2:
+                        continue
+                    row[key] = tb_s / chain(
+                        lambda x, w, t=tile, p=pdl_on: gemv(x, w, config=t, use_pdl=p)
+                    )  # noqa: E501
+                except Exception as e:  # a tiling that does not build: skipped
+                    print(name, key, type(e).__name__, str(e)[:80], flush=True)
+        for tile in PRELOAD_TILES if k <= PRELOAD_MAX_K else []:
+            if rel_err(gemv(xs[0], ws[0], config=tile, preload=True), ref) > 1e-2:
+                continue
+            row[f"preload {tile}"] = tb_s / chain(
+                lambda x, w, t=tile: gemv(x, w, config=t, preload=True)
+            )
+        results[name] = row
+        best = max(row, key=row.get)
+        table.append(
+            f"| gemv {name} | cuBLAS {row['cublas']:.2f} TB/s | {best} {row[best]:.2f} TB/s |"
+        )
+        print(table[-1], json.dumps(row), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return results, table
+
+
+def sweep_decode_attn() -> tuple[dict, list[str]]:
+    from lantau.bench.offline import graph_ms
+    from lantau.kernels import decode_attention as da
+    from lantau.kernels.reference import paged_decode_attention_ref
+
+    rng = random.Random(0)
+    mixed = [rng.randrange(1000, 2000) for _ in range(384)]
+    shapes = {
+        "W3-1000 decode 384 rows, 1000-2000 keys": mixed,
+        "same, longest first": sorted(mixed, reverse=True),
+        "W2 1 row x 640 keys": [640],
+    }
+    results, table = {}, []
+    for name, seq_lens in shapes.items():
+        q, kv, _, lens, blocks = paged_batch([(s - 1, 1) for s in seq_lens])
+        max_seq_len = blocks.shape[1] * BLOCK
+        nbytes = sum(seq_lens) * KV_HEADS * DIM * 2 * kv.element_size()
+        out = torch.empty_like(q)
+        ref = paged_decode_attention_ref(q, kv, lens, blocks, DIM**-0.5)
+        default = da.default_num_splits(len(seq_lens), KV_HEADS, max_seq_len, q.device)
+        splits = sorted({default, *((1, 2, 4, 8) if len(seq_lens) > 1 else (4, 8, 16, 32))})
+        row = {}
+        for num_splits, tile in itertools.product(splits, DECODE_TILES):
+
+            def run(num_splits=num_splits, tile=tile, args=(q, kv, out, lens, blocks, max_seq_len)):
+                da.paged_decode_attention(*args, DIM**-0.5, num_splits, tile)
+
+            try:
+                run()
+                if rel_err(out, ref) > 1e-2:
+                    continue
+                row[f"splits {num_splits} {tile}"] = nbytes / graph_ms(run) / 1e9
+            except Exception as e:  # a tiling that does not build: skipped
+                print(name, num_splits, tile, type(e).__name__, str(e)[:80], flush=True)
+        results[name] = row
+        best = max(row, key=row.get)
+        base = row.get(f"splits {default} {DECODE_TILES[0]}", float("nan"))
+        table.append(f"| decode {name} | default {base:.2f} TB/s | {best} {row[best]:.2f} TB/s |")
+        print(table[-1], flush=True)
+    return results, table
+
+
+def sweep_prefill_attn() -> tuple[dict, list[str]]:
+    import triton.testing
+
+    from lantau.kernels import unified_attention as ua
+    from lantau.kernels.reference import unified_attention_ref
+
+    results, table = {}, []
+    for name, requests in PREFILL_SHAPES.items():
+        q, kv, qsl, seq, blocks = paged_batch(requests)
+        max_q, max_s = max(n for _, n in requests), max(c + n for c, n in requests)
+        flop = 4.0 * HEADS * DIM * sum(c + i + 1 for c, n in requests for i in range(n))
+        ref = unified_attention_ref(q, kv, qsl, seq, blocks, DIM**-0.5)
+        out, row = torch.empty_like(q), {}
+        for tile in PREFILL_TILES:
+
+            def run(tile=tile, args=(q, kv, out, qsl, seq, blocks, max_q, max_s)):
+                ua.unified_attention(*args, DIM**-0.5, tile=tile)
+
+            try:
+                run()
+                if rel_err(out, ref) > 1e-2:
+                    continue
+                ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+                row[str(tile)] = flop / ms / 1e9
+            except Exception as e:  # a tiling that does not build (shared memory): skipped
+                print(name, tile, type(e).__name__, str(e)[:80], flush=True)
+        results[name] = row
+        best = max(row, key=row.get)
+        base = row.get(str(PREFILL_TILES[0]), float("nan"))
+        table.append(
+            f"| prefill {name} | default {base:.1f} TFLOP/s | {best} {row[best]:.1f} TFLOP/s |"
+        )
+        print(table[-1], flush=True)
+    return results, table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernel", required=True, choices=["gemv", "decode-attn", "prefill-attn"])
+    p.add_argument("--all", action="store_true", help="gemv: every K-loop tiling, not the default")
+    args = p.parse_args()
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    if args.kernel == "gemv":
+        results, table = sweep_gemv(args.all)
+    elif args.kernel == "decode-attn":
+        results, table = sweep_decode_attn()
+    else:
+        results, table = sweep_prefill_attn()
+    path = os.path.join(os.environ.get("OUT", "."), f"kernel_sweep-{args.kernel}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print("\n| shape | default | best |")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

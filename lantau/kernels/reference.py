@@ -1,0 +1,194 @@
+"""The torch reference of every kernel in lantau/kernels: what TorchOps runs, and what the kernel
+tests compare the kernels with. Plain torch, no Triton, so the torch backend runs where Triton
+is not installed.
+
+Paged KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values).
+Token t of a request lives in slot `block_table[t // block_size] * block_size + t % block_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lantau.kv_cache.manager import cdiv
+
+
+def embedding_ref(
+    input_ids: torch.Tensor,
+    weight: torch.Tensor,
+    pick_src: torch.Tensor | None = None,
+    prev_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """weight[ids]: [num_tokens, hidden]; with pick_src, row i's id is prev_ids[pick_src[i]]
+    where pick_src[i] >= 0 (a token the previous step sampled on the device)."""
+    if pick_src is not None:
+        input_ids = torch.where(pick_src >= 0, prev_ids[pick_src.clamp(min=0)], input_ids)
+    return F.embedding(input_ids, weight)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised in fp32, rounded to x's dtype, then times the weight (HF's LlamaRMSNorm)."""
+    # x: [num_tokens, hidden_size]
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the fused kernel's two outputs."""
+    residual = x + residual
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding (HF's convention) in fp32: rotated copies of q and k.
+    cos_sin_cache[p] holds cos(p * inv_freq), then sin(p * inv_freq)."""
+    # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
+    cos, sin = cos_sin_cache[positions][:, None, :].chunk(2, dim=-1)  # [num_tokens, 1, h] each
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter this step's keys and values into their cache slots, skipping slots < 0
+    (padding rows)."""
+    # key, value: [num_tokens, num_kv_heads, head_dim]
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    # [2, num_blocks * block_size, num_kv_heads, head_dim]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    is_valid = slot_mapping >= 0
+    flat[0][slot_mapping[is_valid]] = key[is_valid]
+    flat[1][slot_mapping[is_valid]] = value[is_valid]
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up], in fp32, rounded once to x's dtype."""
+    # x: [num_tokens, 2 * d] -> [num_tokens, d]
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) in fp32; `gated`: weight is [gate; up] and the result
+    silu(x gate^T) * (x up^T)."""
+    # x: [M, K]; weight: [N, K] -> [M, N] ([M, N / 2] when gated), fp32
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y
+
+
+def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum: [num_rows] int64."""
+    return logits.float().argmax(dim=-1)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its whole cached context, the batch
+    flat ("varlen"): request i owns query rows query_start_loc[i]:query_start_loc[i + 1], at
+    positions seq_lens[i] - num_q[i] .. seq_lens[i] - 1 of its sequence.
+
+    Pads the batch to [num_reqs, max_query_len] queries and [num_reqs, max_seq_len] keys so one
+    SDPA call serves prefill, chunked prefill and decode rows alike, with no host sync.
+    """
+    # query: [num_tokens, num_heads, head_dim]
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    max_blocks = cdiv(max_seq_len, block_size)
+    tables = block_tables[:, :max_blocks].long()
+    # [2, num_reqs, max_blocks * block_size, num_kv_heads, head_dim]
+    kv = kv_cache[:, tables].reshape(2, num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
+    key_len = max_blocks * block_size
+
+    starts = query_start_loc[:-1].long()
+    num_q = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    q_idx = torch.arange(max_query_len, device=query.device)
+    rows = (starts[:, None] + q_idx[None, :]).clamp(max=num_tokens - 1)  # [num_reqs, max_q]
+    q = query[rows]  # [num_reqs, max_q, num_heads, head_dim]
+    # position of each padded query row in its sequence; keys up to and including it are seen
+    q_pos = (seq_lens.long() - num_q)[:, None] + q_idx[None, :]  # [num_reqs, max_q]
+    k_pos = torch.arange(key_len, device=query.device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [num_reqs, max_q, key_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # [num_reqs, num_heads, max_q, head_dim]
+        kv[0].transpose(1, 2),  # [num_reqs, num_kv_heads, key_len, head_dim]
+        kv[1].transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    ).transpose(1, 2)  # [num_reqs, max_q, num_heads, head_dim]
+    valid = q_idx[None, :] < num_q[:, None]  # [num_reqs, max_q]
+    return out[valid]  # [num_tokens, num_heads, head_dim], in row order
+
+
+def unified_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """paged_attention_ref request by request, gathering only its keys, fp32 result.
+
+    Reads no slot past seq_len (unlike paged_attention_ref, whose padded gather turns NaN in
+    unused slots into NaN output). Syncs with the host; for tests.
+    """
+    # q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim] fp32
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = kv_cache.shape[2:4]
+    flat_kv = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, num_kv_heads, head_dim]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[i], starts[i + 1]
+        if q_end == q_start or seq_len == 0:
+            continue
+        k_pos = torch.arange(seq_len, device=q.device)
+        slots = block_tables[i, k_pos // block_size].long() * block_size + k_pos % block_size
+        # [2, seq_len, num_heads, head_dim]: kv heads repeated for their query heads
+        kv = flat_kv[:, slots].float().repeat_interleave(num_heads // num_kv_heads, dim=2)
+        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), kv[0]) * scale
+        q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), kv[1])
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """unified_attention_ref with one query row per request, fp32 result."""
+    # q: [num_reqs, num_heads, head_dim] -> [num_reqs, num_heads, head_dim] fp32
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return unified_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)

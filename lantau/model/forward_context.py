@@ -1,0 +1,37 @@
+"""What a forward pass carries besides token ids: the attention metadata of the step's flat
+batch and the per-layer KV caches. The runner builds it; the model and its ops read it.
+
+The batch is flat ("varlen"): request i owns query rows query_start_loc[i]:query_start_loc[i+1],
+at positions seq_lens[i] - num_q[i] .. seq_lens[i] - 1 of its sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's KV goes to
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32: row offsets of each request
+    seq_lens: torch.Tensor  # [num_reqs] int32: context length after this step
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
+    max_query_len: int  # upper bounds: they choose tile shapes, the kernels read true lengths
+    max_seq_len: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass
+class ForwardContext:
+    """Everything a forward pass needs besides token ids."""
+
+    attn: AttentionMetadata
+    # one per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values)
+    kv_caches: list[torch.Tensor]
+    positions: torch.Tensor  # [num_tokens] int64: each token's position in its sequence
+    cos_sin_cache: torch.Tensor | None = None  # [max_positions, head_dim] fp32, set by the model
