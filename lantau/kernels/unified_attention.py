@@ -51,7 +51,9 @@ def _find_request(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
-@triton.jit
+# NOTE: ints that change from step to step are not specialized (Triton compiles a variant for
+# 1 and for multiples of 16 of each int argument): a serving step must never wait on a compile
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt_req"])
 def _unified_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, HEAD_DIM]
     kv_ptr,  # [2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
