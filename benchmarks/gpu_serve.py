@@ -5,8 +5,9 @@ the same call for comparison (`lantau bench offline`, after the server has exite
     python benchmarks/gpu_serve.py --runs W1:16:500,W1:inf:500,W1:16:500,W1:2:120,W5:inf:256 \
         --offline in:467/out:256:500,W5:256 --out $OUT
 
-A run is WORKLOAD:RATE:NUM_REQUESTS. On the H200 image the serving packages come as wheels
-(.whl) and the default model's tokenizer as a metadata-only GGUF (.gl, made by
+A run is WORKLOAD:RATE:NUM_REQUESTS[:CONCURRENCY] (W2 through the server:
+random:128/512:inf:3:1, three requests one at a time). On the H200 image the serving packages
+come as wheels (.whl) and the default model's tokenizer as a metadata-only GGUF (.gl, made by
 benchmarks/make_tokenizer_gguf.py), so streamed text is detokenized as it would be for users.
 """
 
@@ -55,12 +56,13 @@ def start_server(model: str, port: int, extra: list[str], log_path: Path):
 def serve_runs(base: str, specs: list[str]) -> list[dict]:
     rows = []
     for spec in specs:
-        workload, rate, num = spec.rsplit(":", 2)
+        workload, rate, num, *concurrency = spec.split(":")
         config = ServeConfig(
             base_url=base,
             workload=workload,
             num_requests=int(num),
             rate=math.inf if rate == "inf" else float(rate),
+            concurrency=int(concurrency[0]) if concurrency else None,
             seed=len(rows),  # no prefix of an earlier run is in cache
             show_progress=False,
         )
