@@ -11,6 +11,7 @@ import pytest
 
 import tests.test_hardening as hardening
 from lantau.bench.monitor import parse_prometheus
+from lantau.engine.protocol import StepStats
 from tests.test_hardening import wait_idle
 
 make_server = hardening.make_server  # the fixture: real servers, closed after each test
@@ -161,3 +162,102 @@ def test_metrics_can_be_disabled(make_server):
     assert httpx.get(f"{server.base}/metrics").status_code == 404
     r = complete(server, [3, 4, 5], 2)
     assert r.status_code == 200 and r.headers["x-request-id"]
+
+
+def test_grpc_calls_are_counted_and_logged(make_server):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from tests.test_hardening import grpc_inputs
+
+    server = make_server("--log-requests", grpc=True)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    model = server.status()["model"]
+    client.infer(model, grpc_inputs(max_tokens=3), headers={"x-request-id": "grpc-7"})
+    with pytest.raises(InferenceServerException):
+        client.infer(model, grpc_inputs(max_tokens=-1))
+    wait_idle(server)
+    m = scrape(server)
+    assert m[series("lantau:request_status_total", code="OK", protocol="grpc")] == 1
+    assert m[series("lantau:request_status_total", code="INVALID_ARGUMENT", protocol="grpc")] == 1
+    assert m["lantau:generation_tokens_total" + LABEL] == 3
+    lines = [json.loads(x) for x in server.close().splitlines() if x.startswith('{"time"')]
+    ok = [x for x in lines if x["status"] == "OK"]
+    assert len(lines) == 2 and ok[0]["request_id"] == "grpc-7"
+    assert ok[0]["engine_request_id"].endswith("-grpc-7") and ok[0]["num_output_tokens"] == 3
+
+
+# -- the parts alone ---------------------------------------------------------------------
+
+
+class FakeNvml:
+    """pynvml's functions the reader calls, for two devices; the second has no power sensor."""
+
+    NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+
+    class NotSupported(Exception):
+        pass
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return type("Util", (), {"gpu": 40 + h, "memory": 1})()
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return type("Mem", (), {"used": (h + 1) << 30, "total": 80 << 30, "free": 0})()
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        if h == 1:
+            raise self.NotSupported
+        return 350_500  # milliwatts
+
+    def nvmlDeviceGetClockInfo(self, h, clock):
+        return 1980
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        return 61
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-{h}"
+
+
+def test_gpu_metrics_from_nvml():
+    from lantau.metrics.gpu import GpuReader
+    from lantau.metrics.prometheus import MetricsExporter
+    from lantau.metrics.stats import EngineMetrics
+
+    exporter = MetricsExporter(EngineMetrics("m", 64), StepStats, GpuReader(FakeNvml(), [0, 1]))
+    m = parse_prometheus(exporter.render().decode())
+    assert m['lantau:gpu_utilization_perc{gpu="0",uuid="GPU-0"}'] == 40
+    assert m['lantau:gpu_utilization_perc{gpu="1",uuid="GPU-1"}'] == 41
+    assert m['lantau:gpu_memory_used_bytes{gpu="1",uuid="GPU-1"}'] == 2 << 30
+    assert m['lantau:gpu_memory_total_bytes{gpu="0",uuid="GPU-0"}'] == 80 << 30
+    assert m['lantau:gpu_power_watts{gpu="0",uuid="GPU-0"}'] == 350.5
+    assert 'lantau:gpu_power_watts{gpu="1",uuid="GPU-1"}' not in m  # not supported: absent
+    assert m['lantau:gpu_temperature_celsius{gpu="0",uuid="GPU-0"}'] == 61
+    assert m['lantau:gpu_sm_clock_hertz{gpu="0",uuid="GPU-0"}'] == 1980e6
+
+
+def test_no_gpu_means_no_gpu_metrics_and_one_log_line(caplog):
+    from lantau.metrics.gpu import GpuReader
+
+    with caplog.at_level("INFO", logger="lantau.metrics.gpu"):
+        reader = GpuReader.start()
+    if reader is not None:
+        pytest.skip("this machine has a GPU")
+    assert len(caplog.records) == 1 and "GPU metrics off" in caplog.records[0].message
+
+
+def test_histogram_buckets():
+    from lantau.metrics.prometheus import histogram_family
+    from lantau.metrics.stats import Histogram, length_buckets, parse_buckets
+
+    hist = Histogram((0.1, 0.8))
+    for value in (0.05, 0.1, 0.5, 0.8, 0.81, 3.0):
+        hist.observe(value)
+    family = histogram_family("lantau:x", "doc", hist, {"model_name": "m"})
+    buckets = {s.labels.get("le"): s.value for s in family.samples if s.name.endswith("_bucket")}
+    assert buckets == {"0.1": 2, "0.8": 4, "+Inf": 6}  # le: a value on a bound counts in it
+    assert length_buckets(600) == (1, 2, 5, 10, 20, 50, 100, 200, 500)
+    assert parse_buckets(["e2e=0.8,0.1,0.35"]) == {"e2e": (0.1, 0.35, 0.8)}
+    for bad in ("e2e", "nope=1", "ttft=0,1", "ttft=x"):
+        with pytest.raises(ValueError):
+            parse_buckets([bad])

@@ -10,12 +10,15 @@ reason).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
 import re
 import time
 import uuid
+from collections.abc import Iterator
 
 import orjson
 
@@ -112,3 +115,36 @@ class RequestIdMiddleware:
                 if self.metrics is not None:
                     self.metrics.record_status("http", status[0])
                 log_request(context, "http", scope["path"], status[0], start_s)
+
+
+@dataclasses.dataclass
+class ObservedCall:
+    """A gRPC inference request being served: its context and its final status name."""
+
+    context: RequestContext
+    status: str = "OK"
+
+
+@contextlib.contextmanager
+def observe_grpc_call(
+    metrics: EngineMetrics | None, method: str, given_id: str | None
+) -> Iterator[ObservedCall]:
+    """Serve one gRPC inference request under its id; on exit it is counted by status (set
+    `call.status` before aborting a call; an exception otherwise names it) and logged."""
+    call = ObservedCall(RequestContext(request_id_from(given_id)))
+    token = CURRENT_REQUEST.set(call.context)
+    start_s = time.monotonic()
+    try:
+        yield call
+    except asyncio.CancelledError:
+        call.status = "CANCELLED"
+        raise
+    except Exception:
+        if call.status == "OK":
+            call.status = "INTERNAL"
+        raise
+    finally:
+        CURRENT_REQUEST.reset(token)
+        if metrics is not None:
+            metrics.record_status("grpc", call.status)
+        log_request(call.context, "grpc", method, call.status, start_s)
