@@ -18,11 +18,17 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Debian packages the tests use: headless Chromium for the web page
+# Debian packages the tests use: headless Chromium for the web page; Prometheus (promtool),
+# Alertmanager (amtool) and node-exporter for deploy/'s rules, configs and the live monitoring
+# test, which starts its own processes on loopback (daemons the packages may start are not used)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+SYSTEM_PACKAGES := chromium prometheus prometheus-alertmanager prometheus-node-exporter
 system-deps:
-	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
+	@for b in chromium prometheus promtool prometheus-alertmanager amtool \
+		prometheus-node-exporter; do command -v $$b >/dev/null || missing=1; done; \
+	[ -z "$$missing" ] || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(SYSTEM_PACKAGES) \
+		>/dev/null; }
 
 run: install
 	$(VENV)/bin/lantau serve

@@ -31,6 +31,27 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
 
 
+def _add_observability_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--disable-metrics",
+        dest="enable_metrics",
+        action="store_false",
+        help="no /metrics: nothing is timed or counted (to measure what metrics cost)",
+    )
+    p.add_argument(
+        "--metrics-buckets",
+        action="append",
+        metavar="NAME=B1,B2,...",
+        help="histogram bounds in seconds for NAME (ttft, itl, tpot, e2e, queue, prefill, "
+        "decode); repeat for several",
+    )
+    p.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="one JSON line per inference request on stderr (logger lantau.requests)",
+    )
+
+
 def chat(args: argparse.Namespace) -> int:
     from lantau.llm import LLM
 
@@ -67,8 +88,14 @@ def chat(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from lantau.metrics.stats import parse_buckets
     from lantau.server.app import ServerConfig, serve
 
+    try:
+        parse_buckets(args.metrics_buckets or [])
+    except ValueError as e:
+        print(f"lantau serve: {e}", file=sys.stderr)
+        return 2
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -81,6 +108,9 @@ def serve(args: argparse.Namespace) -> int:
         live_max_silence_s=args.liveness_timeout,
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
+        enable_metrics=args.enable_metrics,
+        metrics_buckets=tuple(args.metrics_buckets or ()),
+        log_requests=args.log_requests,
     )
     engine_args = dict(
         model=args.model,
@@ -217,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         default=20,
         help="top logprobs a token may ask (OpenAI's limits, 5 and 20, hold below it)",
     )
+    _add_observability_args(p)
     p.set_defaults(func=serve)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)

@@ -14,3 +14,12 @@ def pdl_enabled() -> bool:
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1: Triton runs kernels through its CPU interpreter (tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+TEST_STEP_DELAY_FILE = "LANTAU_TEST_STEP_DELAY_FILE"
+
+
+def test_step_delay_file() -> str | None:
+    """LANTAU_TEST_STEP_DELAY_FILE (tests only): a file holding seconds the engine core sleeps
+    after each step, re-read as it changes (the monitoring test slows the server with it)."""
+    return os.environ.get(TEST_STEP_DELAY_FILE) or None

@@ -345,6 +345,7 @@ def test_warm_up_leaves_nothing_behind(tiny_llama_dir, reference):
     assert warm_up(core) > 0
     check_clean(llm)
     assert core.num_generated_tokens == 0 and core.scheduler.num_preemptions == 0
+    assert core.scheduler.num_prefix_queried_tokens == 0 and not core.scheduler.newly_scheduled
     assert not core.kv_cache.pool.hash_to_block_id  # the prefix cache is empty again
     assert max(n for n in PROMPT_LENGTHS if n < 512) == 467
     prompts, params, expected = reference

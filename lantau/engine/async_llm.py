@@ -35,6 +35,7 @@ from lantau.engine.protocol import (
     StepStats,
 )
 from lantau.errors import InvalidRequestError
+from lantau.metrics.stats import CURRENT_REQUEST, EngineMetrics, RequestTiming
 from lantau.model.source import ModelSource
 from lantau.outputs import RequestOutput
 from lantau.request import FinishReason, SamplingParams, validate_prompt
@@ -75,8 +76,10 @@ class AsyncLLM:
         max_pending_requests: int = 1024,
         max_pending_tokens: int = 1 << 20,
         live_max_silence_s: float = 30.0,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics  # None: --disable-metrics, nothing is timed or counted
         self.live_max_silence_s = live_max_silence_s
         self.max_pending_requests = max_pending_requests
         self.max_pending_tokens = max_pending_tokens
@@ -88,6 +91,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer, config.model_config.eos_token_ids)
         self.queues: dict[str, asyncio.Queue] = {}
+        self.timings: dict[str, RequestTiming] = {}  # requests in flight, when metrics are on
         self.stats = StepStats()
         self.last_report = 0.0  # time.monotonic() of the core's last message
         self.last_progress = 0.0  # ... of its last message while requests were in flight
@@ -122,6 +126,9 @@ class AsyncLLM:
         if ready.error:
             raise RuntimeError(f"engine core failed to start: {ready.error}")
         self.num_blocks = ready.num_blocks
+        if self.metrics is not None:
+            self.metrics.block_size = self.config.cache.block_size
+            self.metrics.num_blocks = ready.num_blocks
         self.last_report = self.last_progress = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._output_loop()),
@@ -212,6 +219,7 @@ class AsyncLLM:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """RequestOutputs as the request advances; the last one has `finished` set."""
+        arrival_s = time.monotonic()
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if params.n > self.max_pending_requests:
@@ -233,21 +241,36 @@ class AsyncLLM:
         self.queues[request_id] = queue
         self.num_pending_tokens += num_tokens
         self.num_pending_seqs += params.n
-        finished = False
+        if self.metrics is not None:
+            self.timings[request_id] = RequestTiming(arrival_s, len(ids))
+        finished, last = False, None
         try:
             await self._send(AddRequests([NewRequest.of(c) for c in children]))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                finished = item.finished
+                finished, last = item.finished, item
                 yield item
         finally:
             self.queues.pop(request_id, None)
             self.num_pending_tokens -= num_tokens
             self.num_pending_seqs -= params.n
+            self._record_finished(request_id, last)
             if not finished:  # disconnect, deadline or error: free its blocks now
                 await self.abort(request_id)
+
+    def _record_finished(self, request_id: str, last: RequestOutput | None) -> None:
+        """Observe the request's figures; its record goes to the API request's context (the
+        request log)."""
+        timing = self.timings.pop(request_id, None)
+        if timing is None:
+            return
+        timing.finished_s = time.monotonic()
+        record = self.metrics.record_finished(request_id, timing, last)
+        context = CURRENT_REQUEST.get()
+        if context is not None:
+            context.records.append(record)
 
     async def abort(self, request_id: str) -> None:
         child_ids = self.processor.abort_request(request_id)
@@ -274,13 +297,30 @@ class AsyncLLM:
         self.stats = msg.stats
         for child_id, error in msg.rejected.items():
             self._reject(child_id, error)
+        if msg.scheduled and self.timings:
+            self._note_scheduled(msg.scheduled)
         outputs, stopped = self.processor.process(msg.outputs)
         if stopped:
             await self._send(AbortRequests(stopped, FinishReason.STOP))
+        now, timings = self.last_report, self.timings
         for output in outputs:
             queue = self.queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
+            timing = timings.get(output.request_id)
+            if timing is not None:  # NOTE: the hot path: a few operations an output
+                if timing.first_token_s:
+                    self.metrics.itl.observe(now - timing.last_token_s)
+                else:
+                    timing.first_token_s = now
+                timing.last_token_s = now
+
+    def _note_scheduled(self, scheduled: dict[str, float]) -> None:
+        """The first scheduling of each request (its first child's)."""
+        for child_id, at in scheduled.items():
+            timing = self.timings.get(child_id.rsplit("#", 1)[0])
+            if timing is not None and not timing.scheduled_s:
+                timing.scheduled_s = at
 
     def fail_requests(self, reason: str) -> None:
         """End every request in flight with ServerShuttingDownError; their routes abort them."""

@@ -59,6 +59,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.num_generated_tokens = 0  # since start, for stats
+        self.last_batch_size = 0  # requests scheduled by the last step, for stats
+        self.last_num_batched_tokens = 0
         self.runner = ModelRunner(self.config, model, num_blocks, self.device)
         self.async_scheduling = config.async_scheduling
         # the step on the device whose tokens have not been collected yet
@@ -109,6 +111,8 @@ class EngineCore:
         """Advance by one step; returns the outputs of the step that completed (with
         overlapped scheduling, the one launched by the previous call)."""
         out = self.scheduler.schedule()
+        self.last_batch_size = len(out.num_scheduled_tokens)
+        self.last_num_batched_tokens = out.total_num_scheduled_tokens
         step = self.runner.launch(out)
         if not self.async_scheduling:
             self.runner.sample(step)

@@ -9,11 +9,13 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
+from lantau import envs
 from lantau.config import EngineConfig
 from lantau.engine.protocol import (
     HEARTBEAT_S,
@@ -33,7 +35,50 @@ if TYPE_CHECKING:  # NOTE: imported by the frontend; torch loads only in the cor
 logger = logging.getLogger(__name__)
 
 
-def core_stats(core: EngineCore) -> StepStats:
+# NOTE: test-only: a file holding seconds to sleep after each step (read at most every
+# 0.2 s), so a live test can slow a served engine down and speed it up again
+TEST_STEP_DELAY_ENV = envs.TEST_STEP_DELAY_FILE
+
+
+@dataclass
+class StepClock:
+    """Steps and the time spent in them since start, and the last one's."""
+
+    num_steps: int = 0
+    total_s: float = 0.0
+    last_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.num_steps += 1
+        self.total_s += seconds
+        self.last_s = seconds
+
+
+class StepDelay:
+    """The test-only step delay (TEST_STEP_DELAY_ENV); None of it exists unless set."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.seconds, self.read_at = path, 0.0, 0.0
+
+    @classmethod
+    def from_env(cls) -> StepDelay | None:
+        path = envs.test_step_delay_file()
+        return cls(path) if path else None
+
+    def sleep(self) -> None:
+        now = time.monotonic()
+        if now - self.read_at > 0.2:
+            self.read_at = now
+            try:
+                with open(self.path) as f:
+                    self.seconds = float(f.read().strip() or 0)
+            except (OSError, ValueError):
+                self.seconds = 0.0
+        if self.seconds > 0:
+            time.sleep(self.seconds)
+
+
+def core_stats(core: EngineCore, clock: StepClock) -> StepStats:
     sched, kv = core.scheduler, core.kv_cache
     return StepStats(
         num_running=sched.num_running,
@@ -43,6 +88,13 @@ def core_stats(core: EngineCore) -> StepStats:
         num_preemptions=sched.num_preemptions,
         num_generated_tokens=core.num_generated_tokens,
         timestamp=time.time(),
+        num_steps=clock.num_steps,
+        step_time_total_s=clock.total_s,
+        num_prefix_queried_tokens=sched.num_prefix_queried_tokens,
+        num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
+        step_time_s=clock.last_s,
+        batch_size=core.last_batch_size,
+        num_batched_tokens=core.last_num_batched_tokens,
     )
 
 
@@ -62,7 +114,6 @@ def run_engine_core(
     in_sock = ctx.socket(zmq.PULL)
     in_sock.connect(input_addr)
     encoder = msgspec.msgpack.Encoder()
-    decoder = msgspec.msgpack.Decoder(FrontendMessage)
     try:
         from lantau.engine.core import EngineCore
 
@@ -79,6 +130,15 @@ def run_engine_core(
     out_sock.send(
         encoder.encode(CoreReady(core_config.cache.num_blocks, core_config.scheduler.max_model_len))
     )
+    _busy_loop(core, parent, in_sock, out_sock)
+
+
+def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock) -> None:
+    """Take messages, step, send what the step produced (or a heartbeat), until orphaned."""
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(FrontendMessage)
+    clock, delay = StepClock(), StepDelay.from_env()
+    scheduled: dict[str, float] = {}  # first schedulings not sent yet
     last_sent = 0.0
     while os.getppid() == parent:
         timeout_ms = 0 if core.has_unfinished_requests else int(HEARTBEAT_S * 1000)
@@ -86,11 +146,21 @@ def run_engine_core(
         while in_sock.poll(timeout_ms):
             _handle(core, decoder.decode(in_sock.recv()), rejected)
             timeout_ms = 0
-        outputs = core.step() if core.has_unfinished_requests else []
+        outputs = []
+        if core.has_unfinished_requests:
+            start = time.monotonic()
+            outputs = core.step()
+            clock.add(time.monotonic() - start)
+            if core.scheduler.newly_scheduled:
+                scheduled.update(dict.fromkeys(core.scheduler.newly_scheduled, start))
+                core.scheduler.newly_scheduled.clear()
+            if delay is not None:
+                delay.sleep()
         now = time.monotonic()
         if outputs or rejected or now - last_sent >= HEARTBEAT_S:
-            out_sock.send(encoder.encode(CoreOutputs(outputs, core_stats(core), rejected)))
-            last_sent = now
+            stats = core_stats(core, clock)
+            out_sock.send(encoder.encode(CoreOutputs(outputs, stats, rejected, scheduled)))
+            scheduled, last_sent = {}, now
 
 
 def _log_late_compiles() -> None:

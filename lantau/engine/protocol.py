@@ -64,6 +64,15 @@ class StepStats:
     num_preemptions: int = 0  # since start
     num_generated_tokens: int = 0  # since start
     timestamp: float = 0.0  # time.time() of the step
+    # for /metrics: counts since start (exact however many steps sent no message) ...
+    num_steps: int = 0
+    step_time_total_s: float = 0.0  # wall time inside EngineCore.step()
+    num_prefix_queried_tokens: int = 0  # tokens of admitted requests looked up in the cache
+    num_prefix_hit_tokens: int = 0  # ... of which were found there
+    # ... and the last step's
+    step_time_s: float = 0.0
+    batch_size: int = 0  # requests scheduled
+    num_batched_tokens: int = 0  # tokens scheduled
 
 
 class CoreOutputs(msgspec.Struct, array_like=True):
@@ -71,6 +80,9 @@ class CoreOutputs(msgspec.Struct, array_like=True):
     stats: StepStats
     # requests the core could not take (bad input that slipped past the frontend)
     rejected: dict[str, str] = msgspec.field(default_factory=dict)
+    # request id -> time.monotonic() of the step that first scheduled it (for queue times;
+    # CLOCK_MONOTONIC is one clock for every process of the machine)
+    scheduled: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class CoreReady(msgspec.Struct, array_like=True):

@@ -63,7 +63,9 @@ def warm_up(core: EngineCore, seed: int = 0) -> float:
     _run(core)
     core.reset_prefix_cache()
     core.num_generated_tokens = 0
-    core.scheduler.num_preemptions = 0
+    sched = core.scheduler
+    sched.num_preemptions = sched.num_prefix_queried_tokens = sched.num_prefix_hit_tokens = 0
+    sched.newly_scheduled.clear()  # the metrics' first-scheduling times: none of these
     took = time.perf_counter() - start
     logger.info("warm-up: %d prompt lengths, %.1f s", len(lengths), took)
     return took

@@ -42,6 +42,9 @@ class Scheduler:
         self._arrival = itertools.count()
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0  # since start, for stats and tests
+        self.num_prefix_queried_tokens = 0  # since start: tokens of admitted requests ...
+        self.num_prefix_hit_tokens = 0  # ... and those of them the prefix cache held
+        self.newly_scheduled: list[str] = []  # scheduled for the first time; the core drains it
 
     @property
     def num_waiting(self) -> int:
@@ -172,6 +175,9 @@ class Scheduler:
             self.running.append(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+                self.newly_scheduled.append(request.request_id)
+            self.num_prefix_queried_tokens += request.num_tokens
+            self.num_prefix_hit_tokens += num_cached
             out.scheduled_new_reqs.append(
                 NewRequestData(
                     request_id=request.request_id,

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lantau.engine.async_llm import AsyncLLM
 from lantau.server.auth import is_authorized, presented_key
+from lantau.server.observability import RequestIdMiddleware
 from lantau.server.openai_api import error_response, json_response, make_openai_router
 from lantau.server.schemas import RequestLimits
 
@@ -43,6 +44,9 @@ class ServerConfig:
     live_max_silence_s: float = 30.0  # liveness fails once the core is silent this long
     max_n: int = 128  # samples one request may ask for (`n`)
     max_logprobs: int = 20  # top logprobs one token may ask for (under OpenAI's own limits)
+    enable_metrics: bool = True  # /metrics; off: nothing timed or counted (for A/B runs)
+    metrics_buckets: tuple[str, ...] = ()  # --metrics-buckets NAME=B1,B2,... overrides
+    log_requests: bool = False  # one JSON line per inference request on stderr
 
     @property
     def limits(self) -> RequestLimits:
@@ -95,7 +99,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState | None 
 
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys)
-    app.add_middleware(DrainMiddleware, state=state)  # outermost: refuses before auth
+    app.add_middleware(DrainMiddleware, state=state)  # refuses before auth
+    metrics = getattr(engine, "metrics", None)  # None: disabled (or an engine without them)
+    # outermost: refusals by the two above get an id, a count and a log line too
+    app.add_middleware(RequestIdMiddleware, metrics=metrics, open_paths=OPEN_PATHS)
+    if metrics is not None:
+        _add_metrics_route(app, engine)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -145,6 +154,19 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState | None 
     return app
 
 
+def _add_metrics_route(app: FastAPI, engine: AsyncLLM) -> None:
+    # NOTE: prometheus_client and NVML load only when metrics are on
+    from lantau.metrics.gpu import GpuReader
+    from lantau.metrics.prometheus import CONTENT_TYPE_LATEST, MetricsExporter
+
+    exporter = MetricsExporter(engine.metrics, lambda: engine.stats, GpuReader.start())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus' text format: the engine's and the GPUs' figures, read now."""
+        return Response(exporter.render(), media_type=CONTENT_TYPE_LATEST)
+
+
 def _draining_server_class():
     import uvicorn
 
@@ -190,9 +212,20 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
     import uvicorn
 
     from lantau.engine.args import build_engine_config
+    from lantau.metrics.stats import EngineMetrics, parse_buckets
     from lantau.model.source import load_tokenizer
+    from lantau.server.observability import enable_request_log
 
     engine_config, source = build_engine_config(engine_args.pop("model"), **engine_args)
+    metrics = None
+    if config.enable_metrics:
+        metrics = EngineMetrics(
+            config.served_model_name,
+            engine_config.scheduler.max_model_len,
+            parse_buckets(list(config.metrics_buckets)),
+        )
+    if config.log_requests:
+        enable_request_log()
     engine = AsyncLLM(
         engine_config,
         source,
@@ -200,6 +233,7 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
         max_pending_requests=config.max_pending_requests,
         max_pending_tokens=config.max_pending_tokens,
         live_max_silence_s=config.live_max_silence_s,
+        metrics=metrics,
     )
     await engine.start()
     state = ServerState()

@@ -36,6 +36,7 @@ from lantau.server.kserve_http import (
     encode_bytes_tensor,
     invalid,
 )
+from lantau.server.observability import observe_grpc_call
 
 if TYPE_CHECKING:
     from lantau.engine.async_llm import AsyncLLM
@@ -120,6 +121,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self, model: KServeModel) -> None:
         self.model = model
+        self.metrics = getattr(model.engine, "metrics", None)
 
     async def ServerLive(self, request, context) -> service_pb2.ServerLiveResponse:
         return service_pb2.ServerLiveResponse(live=self.model.engine.is_live())
@@ -152,18 +154,23 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context) -> service_pb2.ModelInferResponse:
         # NOTE: a cancelled call cancels this task, which leaves engine.generate: aborted
-        try:
-            job = parse_request(self.model, request)
-            return infer_response(self.model, job, await self.model.complete(job))
-        except KServeError as e:
-            await abort(context, e)
+        given_id = _metadata_request_id(context) or request.id
+        with observe_grpc_call(self.metrics, "ModelInfer", given_id) as call:
+            await context.send_initial_metadata((("x-request-id", call.context.request_id),))
+            try:
+                job = parse_request(self.model, request)
+                return infer_response(self.model, job, await self.model.complete(job))
+            except KServeError as e:
+                call.status = e.code.name
+                await abort(context, e)
 
     async def ModelStreamInfer(
         self, request_iterator, context
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         """Serve every request on the stream at once; responses interleave, matched by id."""
         responses: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(self._read_stream(request_iterator, responses))
+        given_id = _metadata_request_id(context)
+        reader = asyncio.create_task(self._read_stream(request_iterator, responses, given_id))
         try:
             while (response := await responses.get()) is not None:
                 yield response
@@ -171,12 +178,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
 
-    async def _read_stream(self, request_iterator, responses: asyncio.Queue) -> None:
+    async def _read_stream(self, request_iterator, responses: asyncio.Queue, given_id: str) -> None:
         """A task per request; once the client closes its side and they finish, None."""
         tasks: set[asyncio.Task] = set()
         try:
             async for request in request_iterator:
-                task = asyncio.create_task(self._serve_one(request, responses))
+                task = asyncio.create_task(self._serve_one(request, responses, given_id))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             await asyncio.gather(*tasks)
@@ -186,20 +193,24 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             await asyncio.gather(*tasks, return_exceptions=True)
             responses.put_nowait(None)  # however reading ended, the response stream ends
 
-    async def _serve_one(self, request, responses: asyncio.Queue) -> None:
-        try:
-            job = parse_request(self.model, request)
-            if job.is_stream:
-                await self._stream_deltas(job, request, responses)
-            else:
-                text = await self.model.complete(job)
-                response = infer_response(self.model, job, text, is_final=True)
-                responses.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
-        except KServeError as e:
-            responses.put_nowait(stream_error(request, str(e)))
-        except Exception as e:  # a bug: say so on this request, keep the stream's others
-            logger.exception("ModelStreamInfer request %r failed", request.id)
-            responses.put_nowait(stream_error(request, f"internal error: {e}"))
+    async def _serve_one(self, request, responses: asyncio.Queue, given_id: str) -> None:
+        with observe_grpc_call(self.metrics, "ModelStreamInfer", request.id or given_id) as call:
+            try:
+                job = parse_request(self.model, request)
+                if job.is_stream:
+                    await self._stream_deltas(job, request, responses)
+                else:
+                    text = await self.model.complete(job)
+                    response = infer_response(self.model, job, text, is_final=True)
+                    message = service_pb2.ModelStreamInferResponse(infer_response=response)
+                    responses.put_nowait(message)
+            except KServeError as e:
+                call.status = e.code.name
+                responses.put_nowait(stream_error(request, str(e)))
+            except Exception as e:  # a bug: say so on this request, keep the stream's others
+                call.status = "INTERNAL"
+                logger.exception("ModelStreamInfer request %r failed", request.id)
+                responses.put_nowait(stream_error(request, f"internal error: {e}"))
 
     async def _stream_deltas(self, job: InferJob, request, responses: asyncio.Queue) -> None:
         # tritonclient's enable_empty_final_response: deltas, then an empty final response
@@ -215,6 +226,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         if has_empty_final:
             response = infer_response(self.model, job, None, is_final=True)
             responses.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+
+
+def _metadata_request_id(context: grpc.aio.ServicerContext) -> str:
+    """The call's `x-request-id` metadata, or ""."""
+    for key, value in context.invocation_metadata() or ():
+        if key.lower() == "x-request-id" and isinstance(value, str):
+            return value
+    return ""
 
 
 def stream_error(request, message: str) -> service_pb2.ModelStreamInferResponse:

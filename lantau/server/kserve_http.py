@@ -43,6 +43,7 @@ from lantau.outputs import RequestOutput
 from lantau.request import INT64_MAX, INT64_MIN, UINT64_MAX, SamplingParams
 from lantau.server.body import RequestBodyError
 from lantau.server.body import read_body as read_raw_body
+from lantau.server.observability import current_request_id, engine_request_id
 from lantau.server.schemas import (
     INFER_HEADER_DECODER,
     OBJECT_DECODER,
@@ -162,7 +163,10 @@ _request_ids = itertools.count()
 
 
 def new_request_id(client_id: str) -> str:
-    """Unique across HTTP and gRPC; the client's id is kept for logs, never trusted alone."""
+    """Unique across HTTP and gRPC; names the API request's x-request-id (or, outside one,
+    the client's id), kept for logs, never trusted alone."""
+    if current_request_id() is not None:
+        return engine_request_id("kserve")
     suffix = f"-{client_id[:64]}" if client_id else ""
     return f"kserve-{next(_request_ids)}{suffix}"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import math
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +24,7 @@ from lantau.outputs import RequestOutput
 from lantau.request import SamplingParams
 from lantau.server.body import RequestBodyError
 from lantau.server.body import read_body as read_raw_body
+from lantau.server.observability import engine_request_id
 from lantau.server.schemas import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -33,8 +33,6 @@ from lantau.server.schemas import (
     RequestLimits,
     decode,
 )
-
-_ids = itertools.count()
 
 
 class APIError(Exception):
@@ -232,7 +230,7 @@ class OpenAIServer:
             return error_response(e.status, e.message, e.param, e.kind)
         except InvalidRequestError as e:
             return error_response(400, str(e), e.field)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids)}"
+        request_id = engine_request_id("chatcmpl" if chat else "cmpl")
         results = self.engine.generate(request_id, prompt, params, priority)
         try:  # the first output: admission, validation and engine errors surface before a stream
             async with asyncio.timeout_at(deadline):

@@ -1,0 +1,1 @@
+"""Metrics: plain-Python figures (stats), NVML readings (gpu), their Prometheus export."""
