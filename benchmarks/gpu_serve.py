@@ -56,7 +56,10 @@ def start_server(model: str, port: int, extra: list[str], log_path: Path):
 def serve_runs(base: str, specs: list[str]) -> list[dict]:
     rows = []
     for spec in specs:
-        workload, rate, num, *concurrency = spec.split(":")
+        parts, concurrency = spec.split(":"), []
+        if len(parts) >= 4 and parts[-1].isdigit() and parts[-2].isdigit():
+            concurrency = [parts.pop()]  # the workload may hold colons (random:IN/OUT)
+        workload, rate, num = ":".join(parts).rsplit(":", 2)
         config = ServeConfig(
             base_url=base,
             workload=workload,
@@ -69,7 +72,8 @@ def serve_runs(base: str, specs: list[str]) -> list[dict]:
         result = run_serve(config).to_dict()
         result.pop("records")
         s = result["summary"]
-        rows.append({"spec": spec, **result})
+        rows.append({"spec": spec, **result, "engine": engine_figures(result["server_metrics"])})
+        print(f"{spec}: engine {rows[-1]['engine']}", flush=True)
         print(
             f"{spec}: {s['output_throughput']:.0f} tok/s, {s['request_throughput']:.2f} req/s, "
             f"TTFT mean/p95 {s['ttft']['mean']:.1f}/{s['ttft']['p95']:.1f} ms, "
@@ -78,6 +82,26 @@ def serve_runs(base: str, specs: list[str]) -> list[dict]:
             flush=True,
         )
     return rows
+
+
+def engine_figures(server_metrics: dict) -> dict:
+    """Where the run's time went in the engine, from the /metrics samples (when served)."""
+
+    def series(prefix: str) -> dict:
+        return next((v for k, v in server_metrics.get("series", {}).items()
+                     if k.startswith(prefix)), {})  # fmt: skip
+
+    steps = series("lantau:engine_steps_total").get("delta")
+    busy = series("lantau:engine_step_time_seconds_total").get("delta")
+    if not steps:
+        return {}
+    return {
+        "steps": steps,
+        "mean_step_ms": round(1e3 * busy / steps, 2),
+        "step_time_s": round(busy, 2),
+        "mean_batch": round(series("lantau:batch_size").get("mean", 0), 1),
+        "mean_batched_tokens": round(series("lantau:num_batched_tokens").get("mean", 0), 1),
+    }
 
 
 def offline_runs(model: str, specs: list[str], out: Path) -> list[dict]:
