@@ -632,7 +632,7 @@ def _is_deadline(raw: bytes) -> bool:
 def test_fuzz_http_from_schemas(served):
     seen: list[int] = []
 
-    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
     @given(case=_http_case(), stream=st.booleans())
     def fuzz(case: tuple[str, bytes], stream: bool) -> None:
         path, raw = case
@@ -645,7 +645,7 @@ def test_fuzz_http_from_schemas(served):
         seen.append(r.status_code)
 
     fuzz()
-    assert len(seen) >= 120
+    assert len(seen) >= 60
     assert any(400 <= s < 500 for s in seen) and any(s == 200 for s in seen), seen
     assert served.http.get("/health").status_code == 200
     assert served.post(COMPLETIONS, {"prompt": "alive", "max_tokens": 2}).status_code == 200
@@ -696,7 +696,7 @@ def test_fuzz_grpc_from_schemas(served):
     allowed = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
     codes: list[grpc.StatusCode] = []
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
     @given(request=_grpc_request(), stream=st.booleans())
     def fuzz(request: service_pb2.ModelInferRequest, stream: bool) -> None:
         if stream:  # one request on a stream: an error comes back in-band
@@ -713,7 +713,7 @@ def test_fuzz_grpc_from_schemas(served):
             codes.append(e.code())
 
     fuzz()
-    assert len(codes) >= 60
+    assert len(codes) >= 30
     assert grpc.StatusCode.INVALID_ARGUMENT in codes and grpc.StatusCode.OK in codes, codes
     live = served.stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=5)
     assert live.live

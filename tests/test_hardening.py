@@ -69,6 +69,21 @@ def make_server():
         server.close()
 
 
+AUTH = {"x-api-key": "secret"}
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One server for the tests that neither kill it nor read its whole log: an API key,
+    gRPC, admission of 4 sequences, a 1.5 s liveness timeout, a 4,096-token context."""
+    server = Server(
+        "--api-key", "secret", "--max-pending-requests", "4", "--liveness-timeout", "1.5",
+        grpc=True, max_model_len=4096,
+    )  # fmt: skip
+    yield server
+    server.close()
+
+
 def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
@@ -101,10 +116,11 @@ def grpc_inputs(prompt: str = "Hello", max_tokens: int = 4) -> list:
     return [text, tokens]
 
 
-def test_grpc_requires_the_api_key(make_server):
-    server = make_server("--api-key", "secret", grpc=True)
+def test_grpc_requires_the_api_key(shared):
+    server = shared
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
     model = server.status()["model"]
+    before = server.status()["num_generated_tokens"]
     assert client.is_server_live() and client.is_server_ready()  # probes stay open
     assert client.is_model_ready(model)
     for headers in (None, {"authorization": "Bearer wrong"}, {"x-api-key": "secretx"}):
@@ -125,17 +141,18 @@ def test_grpc_requires_the_api_key(make_server):
         client.async_stream_infer(model, grpc_inputs())
     client.stop_stream()
     assert errors and "UNAUTHENTICATED" in str(errors[0].status())
-    assert server.status()["num_generated_tokens"] == 8  # the two authorized calls' 4 + 4
+    after = server.status()["num_generated_tokens"]
+    assert after - before == 8  # the two authorized calls' 4 + 4
 
 
-def test_grpc_messages_are_capped_like_http_bodies(make_server):
-    server = make_server(grpc=True)
+def test_grpc_messages_are_capped_like_http_bodies(shared):
+    server = shared
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
     model = server.status()["model"]
     with pytest.raises(InferenceServerException) as e:
-        client.infer(model, grpc_inputs("x" * (5 << 20)))
+        client.infer(model, grpc_inputs("x" * (5 << 20)), headers=AUTH)
     assert e.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
-    assert client.infer(model, grpc_inputs()).as_numpy("text_output").size == 1
+    assert client.infer(model, grpc_inputs(), headers=AUTH).as_numpy("text_output").size == 1
 
 
 # -- no engine core outlives its server ---------------------------------------------------
@@ -232,15 +249,15 @@ def test_second_sigterm_ends_the_server_at_once(make_server):
 # -- one request stalls no other -----------------------------------------------------------
 
 
-def test_health_answers_while_the_largest_prompt_is_tokenized(make_server):
-    server = make_server(max_model_len=4096)
+def test_health_answers_while_the_largest_prompt_is_tokenized(shared):
+    server = shared
     # the longest text that may fit: max_model_len x the longest token (162 bytes), ~650k chars
     words = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit"]
     rng = np.random.default_rng(0)
     prompt = " ".join(rng.choice(words, size=120_000))[: 4096 * 162]
 
     async def main():
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with httpx.AsyncClient(timeout=60, headers=AUTH) as client:
             big = asyncio.create_task(
                 client.post(f"{server.base}/v1/completions", json={"prompt": prompt})
             )
@@ -259,25 +276,29 @@ def test_health_answers_while_the_largest_prompt_is_tokenized(make_server):
 
     # past the bound: refused at once, without tokenizing
     t0 = time.perf_counter()
-    r = httpx.post(f"{server.base}/v1/completions", json={"prompt": "a" * 700_000}, timeout=30)
+    r = httpx.post(
+        f"{server.base}/v1/completions", json={"prompt": "a" * 700_000}, headers=AUTH, timeout=30
+    )
     assert r.status_code == 400 and "characters cannot fit" in r.json()["error"]["message"]
     assert time.perf_counter() - t0 < 1.0
     r = httpx.post(
         f"{server.base}/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "a" * 700_000}]},
+        headers=AUTH,
         timeout=30,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     wait_idle(server)
 
 
-def test_n_counts_against_admission(make_server):
-    server = make_server("--max-pending-requests", "4")
-    r = httpx.post(f"{server.base}/v1/completions", json={"prompt": "Hi", "n": 5}, timeout=30)
+def test_n_counts_against_admission(shared):
+    server = shared
+    body = {"prompt": "Hi", "n": 5}
+    r = httpx.post(f"{server.base}/v1/completions", json=body, headers=AUTH, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
     async def main():
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with httpx.AsyncClient(timeout=60, headers=AUTH) as client:
             body = {"prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "n": 3}
             first = asyncio.create_task(client.post(f"{server.base}/v1/completions", json=body))
             while server.status()["num_in_flight"] < 1:
@@ -294,8 +315,8 @@ def test_n_counts_against_admission(make_server):
 # -- bodies are capped while they stream in ------------------------------------------------
 
 
-def test_openai_body_cap_holds_while_streaming(make_server):
-    server = make_server()
+def test_openai_body_cap_holds_while_streaming(shared):
+    server = shared
     rss_before = psutil.Process(server.proc.pid).memory_info().rss
 
     def endless():  # 200 MB in 1 MB chunks, no content-length
@@ -303,7 +324,7 @@ def test_openai_body_cap_holds_while_streaming(make_server):
             yield b" " * (1 << 20)
 
     try:
-        r = httpx.post(f"{server.base}/v1/completions", content=endless(), timeout=60)
+        r = httpx.post(f"{server.base}/v1/completions", content=endless(), headers=AUTH, timeout=60)
         assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
     except (httpx.WriteError, httpx.RemoteProtocolError):
         pass  # the server answered 413 and closed the connection while we were still sending
@@ -314,20 +335,20 @@ def test_openai_body_cap_holds_while_streaming(make_server):
     r = httpx.post(
         f"{server.base}/v1/completions",
         content=gzip.compress(body),
-        headers={"content-encoding": "gzip", "content-type": "application/json"},
+        headers={"content-encoding": "gzip", "content-type": "application/json", **AUTH},
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     bomb = gzip.compress(b" " * (64 << 20))  # 64 MB of spaces in ~64 kB
     r = httpx.post(f"{server.base}/v1/completions", content=bomb,
-                   headers={"content-encoding": "gzip"})  # fmt: skip
+                   headers={"content-encoding": "gzip", **AUTH})  # fmt: skip
     assert r.status_code == 413
 
 
 # -- smaller defects -------------------------------------------------------------------
 
 
-def test_liveness_fails_while_the_core_is_hung(make_server):
-    server = make_server("--liveness-timeout", "1.5")
+def test_liveness_fails_while_the_core_is_hung(shared):
+    server = shared
     live = f"{server.base}/v2/health/live"
     assert httpx.get(live).status_code == 200
     core = psutil.Process(server.status()["engine_pid"])
