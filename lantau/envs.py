@@ -23,3 +23,14 @@ def test_step_delay_file() -> str | None:
     """LANTAU_TEST_STEP_DELAY_FILE (tests only): a file holding seconds the engine core sleeps
     after each step, re-read as it changes (the monitoring test slows the server with it)."""
     return os.environ.get(TEST_STEP_DELAY_FILE) or None
+
+
+def cache_dir() -> str | None:
+    """LANTAU_CACHE_DIR: where lantau keeps what it derives from model files (tokenizers
+    rebuilt from GGUF metadata); default $XDG_CACHE_HOME/lantau or ~/.cache/lantau; "" or
+    "off": no cache."""
+    value = os.environ.get("LANTAU_CACHE_DIR")
+    if value is not None:
+        return None if value in ("", "off") else value
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lantau")

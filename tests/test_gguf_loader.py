@@ -522,3 +522,46 @@ def test_default_tokenizer(default_gguf: Path) -> None:
     assert text.endswith("<|im_start|>assistant\n")
     ids = tok.encode("Hello world", add_special_tokens=False)
     assert ids and tok.decode(ids) == "Hello world"
+
+
+def test_tokenizer_rebuilt_once_then_cached(default_gguf: Path, tmp_path, monkeypatch) -> None:
+    """The tokenizer rebuilt from the GGUF metadata is saved in the cache; the next load reads
+    it from there (no rebuild) and tokenizes, decodes and templates exactly as the rebuilt one;
+    with the cache off nothing is written."""
+    from transformers import AutoTokenizer
+
+    from lantau.model import gguf_loader
+
+    monkeypatch.setenv("LANTAU_CACHE_DIR", str(tmp_path))
+    fresh = load_gguf_tokenizer(default_gguf)
+    [entry] = list((tmp_path / "tokenizers").iterdir())
+    assert (entry / "tokenizer.json").is_file()
+
+    rebuilds = []
+    real = AutoTokenizer.from_pretrained
+
+    def spy(name, *args, **kwargs):
+        rebuilds.append("gguf_file" in kwargs)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
+    cached = gguf_loader.load_gguf_tokenizer(default_gguf)
+    assert rebuilds == [False]  # read from the cache folder, not the GGUF
+    texts = [
+        "Hello world",
+        "  spaces\tand\nlines ",
+        "é漢字🙂 <|im_start|>user",
+        "def f(x): return x**2",
+    ]
+    for text in texts:
+        ids = fresh.encode(text, add_special_tokens=False)
+        assert cached.encode(text, add_special_tokens=False) == ids
+        assert cached.decode(ids) == fresh.decode(ids)
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    assert cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        fresh.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    )
+    assert (cached.eos_token, cached.bos_token) == (fresh.eos_token, fresh.bos_token)
+
+    monkeypatch.setenv("LANTAU_CACHE_DIR", "off")
+    assert gguf_loader._tokenizer_cache(default_gguf) is None

@@ -7,7 +7,9 @@ rows are put back in HF's rotate-half order (llama.cpp's converter interleaves t
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from gguf import (
 )
 from gguf.quants import dequantize
 
+from lantau import envs
 from lantau.config import ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
 
@@ -420,17 +423,59 @@ def _dequantized(
 
 
 def load_gguf_tokenizer(path: str | Path) -> Any:
-    """The tokenizer (with its chat template) that transformers rebuilds from the metadata."""
+    """The tokenizer (with its chat template) that transformers rebuilds from the metadata.
+    Rebuilding it takes seconds (the default model's: ~5 s of a server's start), so it is saved
+    once in the cache (lantau/envs.py: LANTAU_CACHE_DIR) and loaded from there after."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     _check_magic(path)
     from transformers import AutoTokenizer
 
+    cached = _tokenizer_cache(path)
+    if cached is not None and (cached / "tokenizer.json").is_file():
+        with contextlib.suppress(Exception):  # a damaged cache entry: rebuild it
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             str(path.parent), gguf_file=path.name, local_files_only=True
         )
     except Exception as e:
         # transformers reads the file with gguf too, so any failure is a bad or unsupported file
         raise ModelLoadError(f"{path}: cannot build a tokenizer from the GGUF metadata: {e}") from e
+    if cached is not None:
+        _save_tokenizer(tokenizer, cached)
+    return tokenizer
+
+
+def _tokenizer_cache(path: Path) -> Path | None:
+    """The cache folder of this file's tokenizer: keyed by the file (path, size, mtime) and
+    transformers' version; None when caching is off."""
+    import hashlib
+
+    import transformers
+
+    root = envs.cache_dir()
+    if root is None:
+        return None
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return Path(root) / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _save_tokenizer(tokenizer, folder: Path) -> None:
+    """Write into a fresh folder, then rename: a reader never sees half an entry, and of two
+    processes saving at once the second simply finds the first's."""
+    import shutil
+    import tempfile
+
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-")
+    except OSError:  # a read-only cache: go without
+        return
+    try:
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, folder)
+    except OSError:  # another process saved it first (or the disk is full)
+        shutil.rmtree(tmp, ignore_errors=True)
