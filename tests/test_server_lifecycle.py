@@ -6,54 +6,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import orjson
-import pytest
 
-from tests.test_openai_server import free_port, wait_ready
+from tests import test_hardening as hardening
+
+Server = hardening.Server
+make_server = hardening.make_server  # the fixture: real servers, closed after each test
 
 MODEL = "random:tiny"
-
-
-class Server:
-    def __init__(self, *extra: str) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable, "-m", "lantau.cli", "serve", MODEL, "--device", "cpu",
-            "--port", str(self.port), "--grpc-port", "0", "--max-model-len", "512",
-            "--num-kv-blocks", "256", *extra,
-        ]  # fmt: skip
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        wait_ready(self.base, self.proc)
-
-    def status(self) -> dict:
-        return httpx.get(f"{self.base}/status").json()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-
-
-@pytest.fixture()
-def make_server():
-    servers: list[Server] = []
-
-    def make(*extra: str) -> Server:
-        servers.append(Server(*extra))
-        return servers[-1]
-
-    yield make
-    for server in servers:
-        server.close()
 
 
 def wait_idle(server: Server, timeout: float = 10.0) -> dict:
