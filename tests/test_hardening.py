@@ -380,3 +380,15 @@ def test_kserve_infer_disconnect_logs_no_traceback(make_server):
     wait_idle(server)
     out = server.close()
     assert "InvalidStateError" not in out and "Traceback" not in out, out[-3000:]
+
+
+def test_startup_is_reported_by_stage(shared):
+    """The time from `lantau serve` to ready, and where it went: the frontend's config and
+    tokenizer, then the engine core's process with the stages it timed (CUDA adds the graphs
+    and the warm-up)."""
+    stages = shared.status()["startup_s"]
+    assert list(stages)[:5] == ["total", "config_and_tokenizer", "engine_core", "weights",
+                                "kv_profile"]  # fmt: skip
+    assert all(seconds >= 0 for seconds in stages.values())
+    assert stages["total"] >= stages["config_and_tokenizer"] + stages["engine_core"]
+    assert stages["engine_core"] >= stages["weights"] + stages["kv_profile"]

@@ -52,6 +52,7 @@ class EchoEngine:
         self.num_blocks = 0
         self.dead: str | None = None
         self.process = _ThisProcess()
+        self.startup_s: dict[str, float] = {}
 
     def is_live(self) -> bool:
         return True

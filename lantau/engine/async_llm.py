@@ -100,6 +100,7 @@ class AsyncLLM:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreOutputs)
         self._tasks: list[asyncio.Task] = []
+        self.startup_s: dict[str, float] = {}  # start-up stages, seconds (start() fills it)
 
     async def start(self, timeout_s: float = 600.0) -> None:
         """Spawn the core process and wait until its model is loaded."""
@@ -119,6 +120,7 @@ class AsyncLLM:
             name="lantau-engine-core",
             daemon=True,
         )
+        start = time.perf_counter()
         self.process.start()
         ready = msgspec.msgpack.decode(
             await asyncio.wait_for(self._out.recv(), timeout_s), type=CoreReady
@@ -126,6 +128,8 @@ class AsyncLLM:
         if ready.error:
             raise RuntimeError(f"engine core failed to start: {ready.error}")
         self.num_blocks = ready.num_blocks
+        # the core's whole start (its process, imports, the stages it timed) and its stages
+        self.startup_s = {"engine_core": time.perf_counter() - start, **ready.startup_s}
         if self.metrics is not None:
             self.metrics.block_size = self.config.cache.block_size
             self.metrics.num_blocks = ready.num_blocks

@@ -13,6 +13,7 @@ update, one step at a time.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -34,6 +35,9 @@ class EngineCore:
         config = resolve_device(config, torch.cuda.is_available())
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)
+        # seconds of each start-up stage, in order (the server reports them)
+        self.startup_s: dict[str, float] = {}
+        clock = time.perf_counter()
         model = build_model(
             source,
             config.model_config,
@@ -44,7 +48,10 @@ class EngineCore:
             max_positions=config.scheduler.max_model_len,
             kernels=config.kernels,
         )
+        self.startup_s["weights"] = time.perf_counter() - clock
+        clock = time.perf_counter()
         num_blocks = config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
+        self.startup_s["kv_profile"] = time.perf_counter() - clock
         needed = cdiv(config.scheduler.max_model_len, config.cache.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -69,7 +76,9 @@ class EngineCore:
         if self.device.type == "cuda" and not config.enforce_eager:
             if config.attention_backend != "triton":
                 raise ValueError("CUDA graphs need attention_backend='triton' (or enforce_eager)")
+            clock = time.perf_counter()
             self.runner.capture_cuda_graphs()
+            self.startup_s["cuda_graphs"] = time.perf_counter() - clock
 
     def validate(self, prompt_token_ids: list[int]) -> None:
         validate_prompt(

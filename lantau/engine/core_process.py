@@ -124,12 +124,13 @@ def run_engine_core(
     if core.device.type == "cuda":  # no kernel compiles while a user waits
         from lantau.engine.warmup import warm_up
 
-        warm_up(core)
+        core.startup_s["warm_up"] = warm_up(core)
         _log_late_compiles()
     core_config = core.config
-    out_sock.send(
-        encoder.encode(CoreReady(core_config.cache.num_blocks, core_config.scheduler.max_model_len))
+    ready = CoreReady(
+        core_config.cache.num_blocks, core_config.scheduler.max_model_len, None, core.startup_s
     )
+    out_sock.send(encoder.encode(ready))
     _busy_loop(core, parent, in_sock, out_sock)
 
 

@@ -89,6 +89,7 @@ class CoreReady(msgspec.Struct, array_like=True):
     num_blocks: int
     max_model_len: int
     error: str | None = None
+    startup_s: dict[str, float] = {}  # seconds of each start-up stage (EngineCore.startup_s)
 
 
 FrontendMessage = AddRequests | AbortRequests
