@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import jinja2
 import msgspec
@@ -85,11 +85,8 @@ class AsyncLLM:
         self.max_pending_tokens = max_pending_tokens
         self.num_pending_tokens = 0  # prompt tokens of requests in flight, times n
         self.num_pending_seqs = 0  # sequences in flight: each request counts n times
-        # a text longer than this cannot fit max_model_len tokens: refused before tokenizing
-        self.max_prompt_chars = config.scheduler.max_model_len * max_token_bytes(tokenizer)
         self.source = source
-        self.tokenizer = tokenizer
-        self.processor = OutputProcessor(tokenizer, config.model_config.eos_token_ids)
+        self.set_tokenizer(tokenizer)
         self.queues: dict[str, asyncio.Queue] = {}
         self.timings: dict[str, RequestTiming] = {}  # requests in flight, when metrics are on
         self.stats = StepStats()
@@ -102,8 +99,15 @@ class AsyncLLM:
         self._tasks: list[asyncio.Task] = []
         self.startup_s: dict[str, float] = {}  # start-up stages, seconds (start() fills it)
 
-    async def start(self, timeout_s: float = 600.0) -> None:
-        """Spawn the core process and wait until its model is loaded."""
+    def set_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer, self.config.model_config.eos_token_ids)
+        # a text longer than this cannot fit max_model_len tokens: refused before tokenizing
+        self.max_prompt_chars = self.max_model_len * max_token_bytes(tokenizer)
+
+    async def start(self, timeout_s: float = 600.0, tokenizer: Awaitable | None = None) -> None:
+        """Spawn the core process and wait until its model is loaded. `tokenizer`: one still
+        loading (an awaitable), taken once the core is spawned, so the two load together."""
         self._ipc_dir = tempfile.mkdtemp(prefix="lantau-")
         in_addr = f"ipc://{self._ipc_dir}/in"
         out_addr = f"ipc://{self._ipc_dir}/out"
@@ -122,6 +126,9 @@ class AsyncLLM:
         )
         start = time.perf_counter()
         self.process.start()
+        if tokenizer is not None:
+            self.set_tokenizer(await tokenizer)
+            self.startup_s["tokenizer"] = time.perf_counter() - start
         ready = msgspec.msgpack.decode(
             await asyncio.wait_for(self._out.recv(), timeout_s), type=CoreReady
         )
@@ -129,7 +136,7 @@ class AsyncLLM:
             raise RuntimeError(f"engine core failed to start: {ready.error}")
         self.num_blocks = ready.num_blocks
         # the core's whole start (its process, imports, the stages it timed) and its stages
-        self.startup_s = {"engine_core": time.perf_counter() - start, **ready.startup_s}
+        self.startup_s.update(engine_core=time.perf_counter() - start, **ready.startup_s)
         if self.metrics is not None:
             self.metrics.block_size = self.config.cache.block_size
             self.metrics.num_blocks = ready.num_blocks

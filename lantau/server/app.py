@@ -210,12 +210,16 @@ def _draining_server_class():
 
 
 def describe_startup(stages: dict[str, float]) -> str:
-    """'61.1 s: config_and_tokenizer 1.2 s, engine_core 59.4 s (weights 3.1 s, ...)'"""
+    """'48.0 s: config 0.2 s, then tokenizer 22.1 s alongside engine_core 47.7 s (weights
+    0.9 s, ...)': the tokenizer loads while the engine core starts."""
     stages = dict(stages)
-    total, front = stages.pop("total", 0.0), stages.pop("config_and_tokenizer", 0.0)
-    core = stages.pop("engine_core", 0.0)
+    total, config = stages.pop("total", 0.0), stages.pop("config", 0.0)
+    tokenizer, core = stages.pop("tokenizer", 0.0), stages.pop("engine_core", 0.0)
     inner = ", ".join(f"{name} {s:.1f} s" for name, s in stages.items())
-    return f"{total:.1f} s: config_and_tokenizer {front:.1f} s, engine_core {core:.1f} s ({inner})"
+    return (
+        f"{total:.1f} s: config {config:.1f} s, then tokenizer {tokenizer:.1f} s alongside "
+        f"engine_core {core:.1f} s ({inner})"
+    )
 
 
 async def serve(engine_args: dict, config: ServerConfig) -> int:
@@ -238,18 +242,17 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
         )
     if config.log_requests:
         enable_request_log()
-    tokenizer = load_tokenizer(source)
-    startup = {"config_and_tokenizer": time.perf_counter() - started}
+    startup = {"config": time.perf_counter() - started}
     engine = AsyncLLM(
         engine_config,
         source,
-        tokenizer,
+        None,  # loaded below, while the engine core starts
         max_pending_requests=config.max_pending_requests,
         max_pending_tokens=config.max_pending_tokens,
         live_max_silence_s=config.live_max_silence_s,
         metrics=metrics,
     )
-    await engine.start()
+    await engine.start(tokenizer=asyncio.to_thread(load_tokenizer, source))
     engine.startup_s = {"total": time.perf_counter() - started, **startup, **engine.startup_s}
     state = ServerState()
     app = build_app(engine, config, state)
