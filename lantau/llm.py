@@ -10,7 +10,7 @@ from lantau.engine.args import build_engine_config
 from lantau.engine.core import EngineCore
 from lantau.engine.llm_engine import LLMEngine
 from lantau.errors import InvalidRequestError
-from lantau.model.source import load_tokenizer
+from lantau.model.source import borrowed_vocab_size, load_tokenizer
 from lantau.outputs import RequestOutput
 from lantau.request import SamplingParams
 
@@ -25,7 +25,8 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         config, source = build_engine_config(model, **kwargs)
         self.tokenizer = load_tokenizer(source)
-        self.engine = LLMEngine(EngineCore(config, source), self.tokenizer)
+        fold = borrowed_vocab_size(source, config.model_config, self.tokenizer)
+        self.engine = LLMEngine(EngineCore(config, source), self.tokenizer, fold)
         self._ids = itertools.count()
 
     @property

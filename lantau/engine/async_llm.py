@@ -36,7 +36,7 @@ from lantau.engine.protocol import (
 )
 from lantau.errors import InvalidRequestError
 from lantau.metrics.stats import CURRENT_REQUEST, EngineMetrics, RequestTiming
-from lantau.model.source import ModelSource
+from lantau.model.source import ModelSource, borrowed_vocab_size
 from lantau.outputs import RequestOutput
 from lantau.request import FinishReason, SamplingParams, validate_prompt
 
@@ -101,7 +101,8 @@ class AsyncLLM:
 
     def set_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.processor = OutputProcessor(tokenizer, self.config.model_config.eos_token_ids)
+        fold = borrowed_vocab_size(self.source, self.config.model_config, tokenizer)
+        self.processor = OutputProcessor(tokenizer, self.config.model_config.eos_token_ids, fold)
         # a text longer than this cannot fit max_model_len tokens: refused before tokenizing
         self.max_prompt_chars = self.max_model_len * max_token_bytes(tokenizer)
 

@@ -14,7 +14,16 @@ class IncrementalDetokenizer:
     character. A stop string ends the text at its start (or its end, when it is to be kept).
     """
 
-    def __init__(self, tokenizer, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        fold_ids_at: int | None = None,
+    ) -> None:
+        """`fold_ids_at`: ids from there on are spelled as id mod it (a random-weight model
+        whose vocabulary outgrows the tokenizer it borrows; see model.source)."""
+        self.fold_ids_at = fold_ids_at
         self._backend = tokenizer._tokenizer  # the tokenizers.Tokenizer under the HF wrapper
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self.params = params
@@ -24,6 +33,8 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> bool:
         """Append one token; True when a stop string ended the sequence."""
+        if self.fold_ids_at is not None and token_id >= self.fold_ids_at:
+            token_id %= self.fold_ids_at
         delta = self._stream.step(self._backend, token_id)
         if not delta:
             return False

@@ -41,8 +41,11 @@ class _RequestState:
 class OutputProcessor:
     """Turns core outputs (token ids per child request) into RequestOutputs per request."""
 
-    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, tokenizer, eos_token_ids: tuple[int, ...], fold_ids_at: int | None = None
+    ) -> None:
         self.tokenizer = tokenizer
+        self.fold_ids_at = fold_ids_at  # IncrementalDetokenizer's
         self.eos_token_ids = eos_token_ids
         self.states: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
@@ -85,7 +88,7 @@ class OutputProcessor:
             logprobs = [] if params.logprobs is not None else None
             detok = None
             if self.tokenizer is not None and params.detokenize:
-                detok = IncrementalDetokenizer(self.tokenizer, child_params, ids)
+                detok = IncrementalDetokenizer(self.tokenizer, child_params, ids, self.fold_ids_at)
             state.sequences.append(_Sequence(CompletionOutput(i, "", [], None, logprobs), detok))
             child_id = child_request_id(request_id, i)
             self.child_to_parent[child_id] = (request_id, i)
@@ -160,10 +163,11 @@ class OutputProcessor:
 class LLMEngine:
     """An EngineCore in this process, with the frontend's OutputProcessor around it."""
 
-    def __init__(self, core: EngineCore, tokenizer) -> None:
+    def __init__(self, core: EngineCore, tokenizer, fold_ids_at: int | None = None) -> None:
         self.core = core
         self.tokenizer = tokenizer
-        self.processor = OutputProcessor(tokenizer, core.config.model_config.eos_token_ids)
+        eos = core.config.model_config.eos_token_ids
+        self.processor = OutputProcessor(tokenizer, eos, fold_ids_at)
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         return self.processor.tokenize(prompt)

@@ -78,3 +78,13 @@ def load_tokenizer(source: ModelSource):
         return gguf_loader.load_gguf_tokenizer(default_model_path())
     except (ModelLoadError, ImportError):
         return None
+
+
+def borrowed_vocab_size(source: ModelSource, config: ModelConfig, tokenizer) -> int | None:
+    """A random-weight model borrows the default model's tokenizer; when its vocabulary is
+    larger (llama3-8b: 128,256 ids, SmolLM2's tokenizer: 49,152), ids past the tokenizer's
+    would spell no text, and their tokens would stream in the next chunk, unlike a real
+    model's: the detokenizer spells them as id mod the tokenizer's size. None otherwise."""
+    if source.kind != "random" or tokenizer is None or config.vocab_size <= len(tokenizer):
+        return None
+    return len(tokenizer)
