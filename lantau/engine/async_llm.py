@@ -198,7 +198,7 @@ class AsyncLLM:
     async def tokenize_async(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         """tokenize(), off the event loop when the text is long enough to stall it."""
         if isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS:
-            self.check_prompt_chars(len(prompt), "prompt")
+            self.check_prompt_chars(len(prompt), "prompt")  # no thread for a refusal
             return await asyncio.to_thread(self.tokenize, prompt)
         return self.tokenize(prompt)
 

@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 
 # NOTE: test-only: a file holding seconds to sleep after each step (read at most every
 # 0.2 s), so a live test can slow a served engine down and speed it up again
-TEST_STEP_DELAY_ENV = envs.TEST_STEP_DELAY_FILE
 
 
 @dataclass
@@ -55,7 +54,7 @@ class StepClock:
 
 
 class StepDelay:
-    """The test-only step delay (TEST_STEP_DELAY_ENV); None of it exists unless set."""
+    """The test-only step delay (envs.test_step_delay_file); None of it exists unless set."""
 
     def __init__(self, path: str) -> None:
         self.path, self.seconds, self.read_at = path, 0.0, 0.0

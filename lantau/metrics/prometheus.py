@@ -171,6 +171,20 @@ class EngineCollector:
         yield rejected
 
 
+# (GpuReading field, metric, help with DCGM-exporter's field and unit)
+GPU_GAUGES = (
+    ("utilization", "lantau:gpu_utilization_perc",
+     "Share of the last sample period a kernel ran, 0-100 (DCGM_FI_DEV_GPU_UTIL)."),
+    ("memory_used", "lantau:gpu_memory_used_bytes",
+     "Device memory used (DCGM_FI_DEV_FB_USED, MiB)."),
+    ("memory_total", "lantau:gpu_memory_total_bytes",
+     "Device memory in all (DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE, MiB)."),
+    ("power", "lantau:gpu_power_watts", "Power draw (DCGM_FI_DEV_POWER_USAGE)."),
+    ("temperature", "lantau:gpu_temperature_celsius", "GPU temperature (DCGM_FI_DEV_GPU_TEMP)."),
+    ("sm_clock", "lantau:gpu_sm_clock_hertz", "SM clock (DCGM_FI_DEV_SM_CLOCK, MHz)."),
+)  # fmt: skip
+
+
 class GpuCollector:
     """NVML's readings of every GPU, read at scrape time (DCGM-exporter's meanings)."""
 
@@ -182,33 +196,9 @@ class GpuCollector:
         if not readings:
             return
         families = {
-            "utilization": GaugeMetricFamily(
-                "lantau:gpu_utilization_perc",
-                "Share of the last sample period a kernel ran, 0-100 (DCGM_FI_DEV_GPU_UTIL).",
-                labels=["gpu", "uuid"],
-            ),
-            "memory_used": GaugeMetricFamily(
-                "lantau:gpu_memory_used_bytes", "Device memory used (DCGM_FI_DEV_FB_USED, MiB).",
-                labels=["gpu", "uuid"],
-            ),
-            "memory_total": GaugeMetricFamily(
-                "lantau:gpu_memory_total_bytes",
-                "Device memory in all (DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE, MiB).",
-                labels=["gpu", "uuid"],
-            ),
-            "power": GaugeMetricFamily(
-                "lantau:gpu_power_watts", "Power draw (DCGM_FI_DEV_POWER_USAGE).",
-                labels=["gpu", "uuid"],
-            ),
-            "temperature": GaugeMetricFamily(
-                "lantau:gpu_temperature_celsius", "GPU temperature (DCGM_FI_DEV_GPU_TEMP).",
-                labels=["gpu", "uuid"],
-            ),
-            "sm_clock": GaugeMetricFamily(
-                "lantau:gpu_sm_clock_hertz", "SM clock (DCGM_FI_DEV_SM_CLOCK, MHz).",
-                labels=["gpu", "uuid"],
-            ),
-        }  # fmt: skip
+            key: GaugeMetricFamily(name, help_text, labels=["gpu", "uuid"])
+            for key, name, help_text in GPU_GAUGES
+        }
         for r in readings:
             for key, family in families.items():
                 value = getattr(r, key)
