@@ -17,6 +17,12 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
         help="guaranteed_no_evict: admit only what can finish without preemption",
     )
     p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="the most prompt tokens one request computes in a step (0: the step's budget)",
+    )
+    p.add_argument(
         "--no-async-scheduling",
         dest="async_scheduling",
         action="store_false",
@@ -120,6 +126,7 @@ def serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         async_scheduling=args.async_scheduling,
     )
     if args.num_kv_blocks:

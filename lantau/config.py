@@ -146,6 +146,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests in one step
     max_num_batched_tokens: int = 4096  # tokens in one step (the token budget)
     enable_chunked_prefill: bool = True  # a prompt may be split across steps
+    # the most prompt tokens one request computes in a step (0: the whole budget). Below the
+    # budget it bounds how long an arriving prompt stalls the running decodes (their ITL)
+    # while steps still fill with several prompts' chunks under load
+    long_prefill_token_threshold: int = 0
     # "max_utilization": admit while blocks are free now, preempt (recompute) when they run
     # out; "guaranteed_no_evict": admit only when the blocks every running request may still
     # need (up to max_tokens) stay free, so nothing is ever preempted
@@ -160,6 +164,8 @@ class SchedulerConfig:
             raise ValueError(
                 "max_num_seqs, max_num_batched_tokens must be >= 1, max_model_len >= 2"
             )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: no cap)")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_model_len without chunked prefill"

@@ -96,6 +96,23 @@ def test_decodes_share_steps_with_prefills():
     assert out.num_scheduled_tokens == {"a": 1, "b": 19}
 
 
+def test_long_prefill_threshold_caps_each_prompt_not_the_step():
+    """A prompt computes at most the threshold's tokens a step, while the step still fills
+    with several prompts' chunks; the tokens are those of an uncapped run."""
+    sched = make_scheduler(max_num_batched_tokens=20, long_prefill_token_threshold=8)
+    reqs = [add(sched, "a", 19, max_tokens=3), add(sched, "bb", 12, max_tokens=3)]
+    runner = FakeRunner()
+    outs = run_to_completion(sched, runner)
+    assert outs[0].num_scheduled_tokens == {"a": 8, "bb": 8}
+    assert outs[1].num_scheduled_tokens == {"a": 8, "bb": 4}
+    assert outs[2].num_scheduled_tokens == {"a": 3, "bb": 1}
+    uncapped = make_scheduler(max_num_batched_tokens=20)
+    same = [add(uncapped, "a", 19, max_tokens=3), add(uncapped, "bb", 12, max_tokens=3)]
+    run_to_completion(uncapped, FakeRunner())
+    assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in same]
+    assert sched.kv_cache.num_free_blocks == 64
+
+
 def test_max_num_seqs():
     sched = make_scheduler(max_num_seqs=2)
     for i in range(5):

@@ -287,6 +287,7 @@ def bench_offline(args) -> dict:
         max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         scheduling_policy=getattr(args, "scheduling_policy", "max_utilization"),
+        long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0),
         async_scheduling=getattr(args, "async_scheduling", True),
     )
     segments_before = _num_segments(device)

@@ -34,6 +34,7 @@ def build_engine_config(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
+    long_prefill_token_threshold: int = 0,
     scheduling_policy: str = "max_utilization",
     attention_backend: str = "auto",
     enforce_eager: bool = False,
@@ -78,6 +79,7 @@ def build_engine_config(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
             policy=scheduling_policy,
         ),
     )

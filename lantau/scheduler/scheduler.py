@@ -113,6 +113,7 @@ class Scheduler:
                 num_tokens - request.num_computed_tokens
             ):
                 break
+            num_new = self._cap_prefill(num_new)
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None:
                 # NOTE: self.running is sorted, so the victim is never a request already
@@ -131,6 +132,10 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _cap_prefill(self, num_new: int) -> int:
+        cap = self.config.long_prefill_token_threshold
+        return min(num_new, cap) if cap and self.config.enable_chunked_prefill else num_new
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(request)
@@ -166,6 +171,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     return
                 num_new = budget
+            num_new = self._cap_prefill(num_new)
             request.num_computed_tokens = num_cached
             if self.kv_cache.allocate_slots(request, num_new, computed_blocks) is None:
                 request.num_computed_tokens = 0
