@@ -11,10 +11,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from lantau import LLM, SamplingParams
 from lantau.config import KernelConfig
 from lantau.runner.cuda_graph import CudaGraphRunner
+from lantau.runner.mixed_graph import MixedGraphRunner
+from tests.conftest import hf_greedy
 
 
 @pytest.mark.parametrize("short_keys", [0, 26])
@@ -145,3 +148,58 @@ def test_a_short_model_captures_one_graph_a_bucket(tiny_llama_dir, monkeypatch):
     assert logits.shape == (2, runner.model.config.vocab_size) and logits.isfinite().all()
     assert torch.equal(greedy, logits.argmax(dim=-1))
     assert configs and set(configs) == {ops.config.attn_short_tile}
+
+
+def test_mixed_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
+    """The mixed steps' graphs (runner/mixed_graph.py), run on CPU without capture: the model's
+    body on the staged buffers, padded to the step's token bucket with empty requests, and
+    the previous step's device-sampled tokens written in, gives the eager step's logits; and
+    the greedy tokens are HF's, as the engine's are."""
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=128, max_num_seqs=4,
+        max_num_batched_tokens=80, attention_backend="triton",
+    )  # fmt: skip
+    runner = llm.engine.core.runner
+    graphs = MixedGraphRunner(runner.config, runner.model, runner.kv_caches, runner.device)
+    assert graphs.buckets == [64, 80] and graphs.max_reqs == 4
+    eager_forward, checked = runner._forward_logits, []
+
+    def both(inputs):
+        replayed = None
+        if graphs.can_run(inputs):  # the graph's pass first (see the decode test above)
+            num_tokens = graphs.bucket(len(inputs.input_ids))
+            graphs.stage(inputs, num_tokens)
+            runner.fill_pending(graphs.input_ids[:num_tokens], inputs)
+            replayed = runner._sample_logits(graphs.forward(num_tokens), inputs)
+            checked.append((len(inputs.input_ids), num_tokens, inputs.num_reqs))
+        logits = eager_forward(inputs)
+        if replayed is not None:
+            torch.testing.assert_close(replayed, logits, rtol=1e-5, atol=1e-5)
+        return logits
+
+    runner._forward_logits = both
+    rng = random.Random(11)
+    lengths = (70, 9, 30, 3)  # 70: a chunk of 80 - decodes, then the rest
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("r0", {"prompt_token_ids": prompts[0]}, params)
+    engine.add_request("r1", {"prompt_token_ids": prompts[1]}, params)
+    results = {}
+    for step in range(40):  # the rest arrive while the first ones decode: mixed steps
+        if step in (2, 3):
+            for i in (2,) if step == 2 else (3,):
+                engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params)
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests:
+            break
+    assert len(results) == 4
+    # steps of both buckets ran, with padding tokens and padding requests, beside decodes
+    assert {64, 80} <= {bucket for _, bucket, _ in checked}
+    assert any(n < bucket for n, bucket, _ in checked)
+    assert any(reqs > 1 for *_, reqs in checked)
+    model = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    for i, prompt in enumerate(prompts):
+        assert results[f"r{i}"] == hf_greedy(model, prompt, 3)[0], i

@@ -191,8 +191,9 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_event(copied)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Each turn's, largest first, all sharing one memory pool (replays never overlap)."""
+    def capture(self):
+        """Each turn's, largest first, all sharing one memory pool (replays never overlap);
+        returns the pool."""
         pool = None
         for turn, inp in enumerate(self.turns):
             inp.seq_lens.fill_(1)
@@ -216,6 +217,7 @@ class CudaGraphRunner:
             "captured CUDA graphs for batch sizes %s (and for short contexts: %s)",
             self.batch_sizes, sorted(self.short_graphs),
         )  # fmt: skip
+        return pool
 
     def short_keys(self, bs: int) -> int:
         """The context length up to which bucket bs has a short-context graph (0: none): the

@@ -153,7 +153,8 @@ class ModelRunner:
             for _ in range(2)
         ]
         self._last = 1
-        self.graphs = None  # CudaGraphRunner, once captured
+        self.graphs = None  # CudaGraphRunner (decode-only steps), once captured
+        self.mixed_graphs = None  # MixedGraphRunner (steps with prompt tokens), once captured
         # the copies between steps on their own streams, off the device's critical path: the
         # graphs' inputs in, the sampled ids out (cuda_graph.py's docstring)
         self.use_copy_streams(device.type == "cuda")
@@ -193,12 +194,15 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         from lantau.runner.cuda_graph import CudaGraphRunner
+        from lantau.runner.mixed_graph import MixedGraphRunner
 
         self.graphs = CudaGraphRunner(
             self.config, self.model, self.kv_caches, self.device, self.token_ids
         )
         self.use_copy_streams(self.copy_streams)
-        self.graphs.capture()
+        pool = self.graphs.capture()
+        self.mixed_graphs = MixedGraphRunner(self.config, self.model, self.kv_caches, self.device)
+        self.mixed_graphs.capture(pool)
 
     def use_copy_streams(self, on: bool) -> None:
         """Copy a graph step's inputs in, and every step's sampled ids out, on side streams
@@ -314,11 +318,24 @@ class ModelRunner:
         """Logits of the sampling rows, eagerly: [num_sample, vocab_size]; None for a step of
         prefill chunks only (its KV is written; no row needs logits)."""
         input_ids, ctx = self._to_device(inputs)
-        hidden = self.model(input_ids, ctx)
-        if not len(inputs.logits_indices):  # NOTE: the batch-1 GEMV path takes 1 to 8 rows
+        return self._sample_logits(self.model(input_ids, ctx), inputs)
+
+    def _sample_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """The logits of the rows of `hidden` (the model's body's output) that sample."""
+        if not len(inputs.logits_indices):
             return None
         indices = to_device(inputs.logits_indices, self.device)
         return self.model.compute_logits(hidden[indices])
+
+    def _mixed_graph_logits(self, inputs: StepInputs) -> torch.Tensor | None:
+        """_forward_logits, the model's body replayed as the step's bucket's graph."""
+        graphs = self.mixed_graphs
+        num_tokens = graphs.bucket(len(inputs.input_ids))
+        graphs.stage(inputs, num_tokens)
+        self.fill_pending(graphs.input_ids[:num_tokens], inputs)
+        graph, hidden = graphs.graphs[num_tokens]
+        graph.replay()
+        return self._sample_logits(hidden, inputs)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One whole step: launch, sample, collect."""
@@ -338,6 +355,8 @@ class ModelRunner:
             # the turn: the ids buffer this step writes, the one the last sampling step did not
             logits, greedy_ids = self.graphs.run(inputs, 1 - self._last)
             logits, greedy_ids = logits[:num_sample], greedy_ids[:num_sample]
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(inputs):
+            logits = self._mixed_graph_logits(inputs)
         else:
             logits = self._forward_logits(inputs)
         if not inputs.sample_ids:
