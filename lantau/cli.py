@@ -20,7 +20,7 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
         "--long-prefill-token-threshold",
         type=int,
         default=0,
-        help="the most prompt tokens one request computes in a step (0: the step's budget)",
+        help="longer prompts run in equal chunks of at most this many tokens a step (0: off)",
     )
     p.add_argument(
         "--no-async-scheduling",

@@ -97,15 +97,16 @@ def test_decodes_share_steps_with_prefills():
 
 
 def test_long_prefill_threshold_caps_each_prompt_not_the_step():
-    """A prompt computes at most the threshold's tokens a step, while the step still fills
-    with several prompts' chunks; the tokens are those of an uncapped run."""
+    """A prompt computes at most the threshold's tokens a step, in equal chunks, while the step
+    still fills with several prompts' chunks; the tokens are those of an uncapped run."""
     sched = make_scheduler(max_num_batched_tokens=20, long_prefill_token_threshold=8)
     reqs = [add(sched, "a", 19, max_tokens=3), add(sched, "bb", 12, max_tokens=3)]
     runner = FakeRunner()
     outs = run_to_completion(sched, runner)
-    assert outs[0].num_scheduled_tokens == {"a": 8, "bb": 8}
-    assert outs[1].num_scheduled_tokens == {"a": 8, "bb": 4}
-    assert outs[2].num_scheduled_tokens == {"a": 3, "bb": 1}
+    # 19 in three chunks of 7, 6, 6; 12 in two of 6 (not 8 + 4)
+    assert outs[0].num_scheduled_tokens == {"a": 7, "bb": 6}
+    assert outs[1].num_scheduled_tokens == {"a": 6, "bb": 6}
+    assert outs[2].num_scheduled_tokens == {"a": 6, "bb": 1}
     uncapped = make_scheduler(max_num_batched_tokens=20)
     same = [add(uncapped, "a", 19, max_tokens=3), add(uncapped, "bb", 12, max_tokens=3)]
     run_to_completion(uncapped, FakeRunner())

@@ -108,12 +108,10 @@ class Scheduler:
             if request.num_pending_tokens and num_tokens >= request.max_num_tokens:
                 i += 1  # its pending tokens end it: nothing left to compute
                 continue
-            num_new = min(num_tokens - request.num_computed_tokens, budget)
-            if not self.config.enable_chunked_prefill and num_new < (
-                num_tokens - request.num_computed_tokens
-            ):
+            remaining = num_tokens - request.num_computed_tokens
+            num_new = min(self._chunk(remaining), budget)
+            if not self.config.enable_chunked_prefill and num_new < remaining:
                 break
-            num_new = self._cap_prefill(num_new)
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None:
                 # NOTE: self.running is sorted, so the victim is never a request already
@@ -133,9 +131,14 @@ class Scheduler:
             i += 1
         return budget
 
-    def _cap_prefill(self, num_new: int) -> int:
+    def _chunk(self, remaining: int) -> int:
+        """A request's prompt tokens this step, before the budget: a prompt longer than the
+        threshold is cut into equal chunks no longer than it (467 at 256: 234 + 233, so that
+        neither step is much longer than the other)."""
         cap = self.config.long_prefill_token_threshold
-        return min(num_new, cap) if cap and self.config.enable_chunked_prefill else num_new
+        if not cap or remaining <= cap or not self.config.enable_chunked_prefill:
+            return remaining
+        return cdiv(remaining, cdiv(remaining, cap))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(request)
@@ -166,12 +169,11 @@ class Scheduler:
             ):
                 return  # FCFS: nothing behind it jumps the queue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-            num_new = request.num_tokens - num_cached
+            num_new = self._chunk(request.num_tokens - num_cached)
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     return
                 num_new = budget
-            num_new = self._cap_prefill(num_new)
             request.num_computed_tokens = num_cached
             if self.kv_cache.allocate_slots(request, num_new, computed_blocks) is None:
                 request.num_computed_tokens = 0
