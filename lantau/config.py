@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,18 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # "fp8": every decoder layer's linear weights in e4m3 with one scale an output channel,
+    # activations quantized per token (lantau/model/fp8.py); embedding, norms and lm_head in the
+    # engine's dtype. None: every weight in the engine's dtype. Set by `dtype="fp8"`
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture: {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: {self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
@@ -218,7 +225,8 @@ class KernelConfig:
 class EngineConfig:
     model: str  # "path/to/hf-folder" | "file.gguf" | "random:NAME"
     model_config: ModelConfig
-    dtype: str = "float32"  # torch dtype name of weights and activations
+    # torch dtype name of activations, and of the weights unless model_config.quantization
+    dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0  # for unseeded sampling and random weights
     tensor_parallel_size: int = 1

@@ -78,6 +78,27 @@ def interpreter_bf16_dot(monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
+@pytest.fixture
+def interpreter_fp8_cast(monkeypatch):
+    """The interpreter of Triton 3.6 rounds fp32 to e4m3 by adding the cut-off bit to the
+    mantissa without carrying into the exponent (125.9 becomes 64, not 128); round with torch
+    instead, to nearest even and saturating, as a GPU's cvt.rn.satfinite does. The kernels
+    themselves are unchanged."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
+            wide = torch.from_numpy(src.data)
+            bits = wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(bits, dst_type.scalar)
+        return original(self, src, dst_type, rounding_mode)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
+
+
 def _descendants() -> dict[int, str]:
     import psutil
 

@@ -4,11 +4,15 @@ builds its config here and never imports torch. A device, dtype or attention bac
 
 from __future__ import annotations
 
+import dataclasses
+
 from lantau import envs
 from lantau.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
 from lantau.model.source import ModelSource, read_model_config, resolve_model_source
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+# "fp8": bfloat16 activations, e4m3 weights in every decoder linear layer
+# (ModelConfig.quantization)
+DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8")
 
 
 def dtype_name(dtype) -> str:
@@ -57,10 +61,14 @@ def build_engine_config(
         attention_backend = "triton" if device.startswith("cuda") else "torch"
     if max_num_batched_tokens is None:
         max_num_batched_tokens = 4096 if enable_chunked_prefill else max_len
+    dtype = dtype_name(dtype)
+    quantization = "fp8" if dtype == "fp8" else None
+    if quantization is not None:
+        dtype = "bfloat16"  # _scaled_mm's row-wise scaling writes bf16
     config = EngineConfig(
         model=source.name,
-        model_config=model_config,
-        dtype=resolve_dtype(dtype_name(dtype), device),
+        model_config=dataclasses.replace(model_config, quantization=quantization),
+        dtype=resolve_dtype(dtype, device),
         device=device,
         seed=seed,
         tensor_parallel_size=tensor_parallel_size,
@@ -96,8 +104,6 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def resolve_device(config: EngineConfig, cuda_available: bool) -> EngineConfig:
     """The config with "auto" device, dtype and attention backend chosen (a new object)."""
-    import dataclasses
-
     device = config.device
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"

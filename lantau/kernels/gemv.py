@@ -21,12 +21,14 @@ from lantau.kernels.pdl import pdl_wait
 @triton.jit
 def _gemv_kernel(
     x_ptr,  # [1, K]
-    w_ptr,  # [N, K] row-major (nn.Linear's weight)
+    w_ptr,  # [N, K] row-major (nn.Linear's weight), x's dtype or e4m3
+    scale_ptr,  # [N] fp32: row n of W is w[n] * scale[n] (e4m3 weights), or a dummy
     b_ptr,  # [N] or a dummy when not HAS_BIAS
     y_ptr,  # [1, N] ([1, N / 2] when GATED)
     N,
     K,
     stride_wn,
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,  # y = silu(g) * u for [g | u] = W x: W is [gate; up], y N/2 wide
     BLOCK_N: tl.constexpr,
@@ -68,6 +70,8 @@ def _gemv_kernel(
             x = tl.load(x_ptr + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if HAS_SCALE:  # one scale a row: applied once, after the row's sum
+        y *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     y = y.to(y_ptr.dtype.element_ty)
@@ -116,9 +120,12 @@ def gemv(
     gated: bool = False,
     preload: bool = False,
     use_pdl: bool = True,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for one row of x; fp32 accumulation.
 
+    weight_scale: [N] fp32 for an e4m3 weight (lantau.model.fp8): row n is weight[n] *
+    weight_scale[n]; x stays in its dtype (not quantized), so a step reads half the bytes.
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of default_config (tuning).
     `preload` (K up to PRELOAD_MAX_K): each program loads its whole weight slice (BLOCK_N rows,
     config's BLOCK_K ignored) at once, before waiting on the previous kernel.
@@ -131,7 +138,14 @@ def gemv(
     n = weight.shape[0]
     assert m == 1, f"gemv serves one row, got {m}"
     assert weight.shape[1] == k, f"x has K={k}, weight {tuple(weight.shape)}"
-    assert x.dtype == weight.dtype, f"x {x.dtype}, weight {weight.dtype}"
+    if weight_scale is None:
+        assert x.dtype == weight.dtype, f"x {x.dtype}, weight {weight.dtype}"
+    else:
+        assert weight.dtype == torch.float8_e4m3fn, f"weight_scale with weight {weight.dtype}"
+        assert weight_scale.shape == (n,) and weight_scale.dtype == torch.float32, (
+            f"weight_scale {tuple(weight_scale.shape)} {weight_scale.dtype}: must be [{n}] fp32"
+        )
+        assert weight_scale.device == weight.device and weight_scale.stride(0) == 1
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight must be contiguous along K"
     assert x.device == weight.device, f"x on {x.device}, weight on {weight.device}"
     if bias is not None:
@@ -147,8 +161,9 @@ def gemv(
         block_n = max(block_n, 2)  # a gate row and its up row, at least
     grid = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
     _gemv_kernel[(grid,)](
-        x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
+        x, weight, x if weight_scale is None else weight_scale, x if bias is None else bias, y,
+        n, k, weight.stride(0), HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
+        GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
         PRELOAD=preload, num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_options(x.device, use_pdl),
     )  # fmt: skip

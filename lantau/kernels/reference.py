@@ -80,12 +80,19 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) in fp32; `gated`: weight is [gate; up] and the result
-    silu(x gate^T) * (x up^T)."""
+    silu(x gate^T) * (x up^T); `weight_scale` [N]: an e4m3 weight's row scales (x unscaled)."""
     # x: [M, K]; weight: [N, K] -> [M, N] ([M, N / 2] when gated), fp32
-    y = x.float() @ weight.float().T
+    w = weight.float()
+    if weight_scale is not None:
+        w = w * weight_scale.float()[:, None]
+    y = x.float() @ w.T
     if bias is not None:
         y = y + bias.float()
     if gated:

@@ -15,6 +15,7 @@ from torch import nn
 from lantau.config import KernelConfig, ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
 from lantau.model.forward_context import ForwardContext
+from lantau.model.fp8 import E4M3, Fp8Linear, linear_layer
 from lantau.model.ops import Ops, build_cos_sin_cache, make_ops
 
 
@@ -55,10 +56,11 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        quant = config.quantization
+        self.qkv_proj = linear_layer(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, quant
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = linear_layer(self.q_size, config.hidden_size, False, quant)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
         """The qkv projection of x, rotary, KV-cache write, attention and o_proj."""
@@ -73,8 +75,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        h, i, quant = config.hidden_size, config.intermediate_size, config.quantization
+        self.gate_up_proj = linear_layer(h, 2 * i, False, quant)
+        self.down_proj = linear_layer(i, h, False, quant)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         return ops.linear(ops.linear_silu_mul(x, self.gate_up_proj), self.down_proj)
@@ -217,22 +220,39 @@ class LlamaForCausalLM(nn.Module):
                     f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected "
                     f"{tuple(dst.shape)}"
                 )
-            dst.copy_(tensor)
+            if param.dtype == E4M3:  # quantized as it loads, one tensor at a time
+                self.get_submodule(target.removesuffix(".weight")).load_rows(rows, tensor)
+            else:
+                dst.copy_(tensor)
         for target, done in shards.items():
             if len(done) == (3 if ".qkv_proj." in target else 2):
                 loaded.add(target)
+        # an fp8 weight's scales are set with it
+        loaded |= {f"{name}_scale" for name in loaded if f"{name}_scale" in params}
         missing = sorted(set(params) - loaded)
         if missing:
             raise ModelLoadError(f"weights missing from the checkpoint: {missing[:8]}")
 
     @torch.no_grad()
     def init_random_weights(self, seed: int) -> None:
-        """Normal(0, 0.02) matrices and unit norms, drawn on the parameters' own device."""
+        """Normal(0, 0.02) matrices and unit norms, drawn on the parameters' own device. An
+        fp8 layer's weight is drawn in the activation dtype and quantized, one layer at a
+        time: no wide copy of the model ever exists."""
         gen = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
+        fp8_layers = {n: m for n, m in self.named_modules() if isinstance(m, Fp8Linear)}
+        dtype = self.lm_head.weight.dtype  # the activations'
         for name, param in self.named_parameters():
+            module_name, _, param_name = name.rpartition(".")
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
+            elif module_name in fp8_layers:
+                if param_name == "weight":  # weight_scale: set by load_rows
+                    # NOTE: the same draws as the unquantized model's with the same seed
+                    wide = torch.empty(param.shape, dtype=dtype, device=param.device)
+                    wide.normal_(0.0, 0.02, generator=gen)
+                    fp8_layers[module_name].load_rows(slice(None), wide)
+                    del wide
             else:
                 param.normal_(0.0, 0.02, generator=gen)

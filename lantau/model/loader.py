@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from lantau.config import KernelConfig, ModelConfig
-from lantau.model import hf_loader
+from lantau.model import fp8, hf_loader
 from lantau.model.llama import LlamaForCausalLM
 from lantau.model.source import (  # noqa: F401 - re-exported: where a model comes from
     DEFAULT_MODEL_FILE,
@@ -39,7 +39,11 @@ def build_model(
     max_positions: int = 0,
     kernels: KernelConfig | None = None,
 ) -> LlamaForCausalLM:
-    """The model on `device` in `dtype`, with its weights (random ones drawn there)."""
+    """The model on `device` in `dtype`, with its weights (random ones drawn there). With
+    config.quantization "fp8" the decoder's linear layers are allocated in e4m3 and each
+    weight is quantized on the device as it is drawn or read: no wide copy of them exists."""
+    if config.quantization == "fp8":
+        fp8.check_device(device)
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, ops, max_positions, kernels)
     if source.kind == "random":

@@ -12,6 +12,7 @@ from lantau.config import KernelConfig
 from lantau.kernels import reference as ref
 from lantau.kernels import require_triton
 from lantau.kv_cache.manager import cdiv
+from lantau.model import fp8
 from lantau.model.forward_context import AttentionMetadata
 
 
@@ -67,10 +68,8 @@ class TorchOps(_Compositions):
     # where pick_src[i] >= 0 (a token the previous step sampled on the device)
     embed = staticmethod(ref.embedding_ref)
 
-    @staticmethod
-    def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
-
+    # F.linear, or for an fp8 layer _scaled_mm's product emulated in fp32
+    linear = staticmethod(fp8.linear_ref)
     rms_norm = staticmethod(ref.rms_norm_ref)
     add_rms_norm = staticmethod(ref.add_rms_norm_ref)  # (rms_norm(x + residual), x + residual)
     rotary = staticmethod(ref.rotary_ref)
@@ -103,6 +102,7 @@ class TritonOps(_Compositions):
             activation,
             decode_attention,
             embedding,
+            fp8_quant,
             gemv,
             rms_norm,
             rotary,
@@ -110,6 +110,7 @@ class TritonOps(_Compositions):
         )
 
         self._act, self._gemv, self._embedding = activation, gemv, embedding
+        self._fp8_quant = fp8_quant
         self._norm, self._rope = rms_norm, rotary
         self._decode, self._unified = decode_attention, unified_attention
         self.config = config = config or KernelConfig()
@@ -120,18 +121,22 @@ class TritonOps(_Compositions):
         """TorchOps.embed in one launch, the pick included."""
         return self._embedding.embedding(input_ids, weight, pick_src, prev_ids, self._pdl)
 
-    def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, layer: torch.nn.Linear | fp8.Fp8Linear) -> torch.Tensor:
         if self.config.enable_gemv and x.shape[0] == 1:
             return self._gemv_linear(x, layer)
+        if isinstance(layer, fp8.Fp8Linear):  # x quantized by token in one launch
+            xq, xs = self._fp8_quant.quantize_rows(x, use_pdl=self._pdl)
+            return fp8.fp8_linear_scaled_mm(x, layer, xq, xs)
         return F.linear(x, layer.weight, layer.bias)
 
-    def _gemv_linear(self, x, layer: torch.nn.Linear, gated: bool = False) -> torch.Tensor:
+    def _gemv_linear(self, x, layer, gated: bool = False) -> torch.Tensor:
+        """An fp8 layer's e4m3 weight read as it is, its row scales applied after the sum."""
         shape = tuple(layer.weight.shape)
         w, b = layer.weight, layer.bias
+        kw = dict(gated=gated, use_pdl=self._pdl, weight_scale=getattr(layer, "weight_scale", None))
         if shape[1] <= self.config.gemv_preload_max_k:
-            tile = self._preload_tiles.get(shape)
-            return self._gemv.gemv(x, w, b, tile, gated=gated, preload=True, use_pdl=self._pdl)
-        return self._gemv.gemv(x, w, b, self._gemv_tiles.get(shape), gated=gated, use_pdl=self._pdl)
+            return self._gemv.gemv(x, w, b, self._preload_tiles.get(shape), preload=True, **kw)
+        return self._gemv.gemv(x, w, b, self._gemv_tiles.get(shape), **kw)
 
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         if self.config.enable_gemv and self.config.enable_gate_silu and x.shape[0] == 1:

@@ -1,0 +1,68 @@
+"""Dynamic per-token FP8 (e4m3) quantization of activations, before `torch._scaled_mm`.
+
+One program a row: a first pass over the row finds its largest magnitude, a second (the row
+still in L1/L2) writes row / scale in e4m3. In torch the same takes five launches and a wide
+fp32 copy of the row (a prefill's down_proj input is 65,536 x 14,336); here the row is read
+twice and written once in one byte an element. The reference is lantau.model.fp8.quantize_rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lantau.kernels import pdl
+from lantau.kernels.pdl import pdl_wait
+
+E4M3_MAX = 448.0  # as lantau.model.fp8 (kernels import no model code)
+MIN_SCALE = 1e-12
+MAX_BLOCK_K = 4096  # columns a program holds at once
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,  # [M, K] fp32 / fp16 / bf16
+    q_ptr,  # [M, K] e4m3, contiguous
+    scale_ptr,  # [M] fp32
+    K,
+    stride_xm,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_row + k + offs, mask=(k + offs) < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    tl.store(scale_ptr + row, scale)
+    for k in range(0, K, BLOCK_K):
+        mask = (k + offs) < K
+        x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
+        # NOTE: IEEE division, as torch's (Triton's `/` on fp32 is approximate on CUDA)
+        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+        tl.store(q_ptr + row * K + k + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor, use_pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dim contiguous, any row stride) -> (q [M, K] e4m3, scale [M] fp32) with
+    x ~ q * scale[:, None]: each row's largest magnitude maps to E4M3_MAX."""
+    assert x.dim() == 2, f"x must be [M, K], {tuple(x.shape)}"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
+    assert x.stride(1) == 1, f"x rows must be contiguous, strides {x.stride()}"
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, scale.fill_(MIN_SCALE)
+    block_k = min(triton.next_power_of_2(k), MAX_BLOCK_K)
+    _quantize_rows_kernel[(m,)](
+        x, q, scale, k, x.stride(0), BLOCK_K=block_k,
+        num_warps=min(max(block_k // 512, 1), 8),  # about 16 elements a thread a pass
+        **pdl.launch_options(x.device, use_pdl),
+    )  # fmt: skip
+    return q, scale

@@ -1,0 +1,145 @@
+"""FP8 (e4m3) weights for the decoder's linear layers (`--dtype fp8`).
+
+Each weight row (output channel) has its own fp32 scale, and each activation row (token) is
+scaled on the fly, so a product is
+
+    y[m, n] = xs[m] * ws[n] * sum_k xq[m, k] * wq[n, k]      (xq, wq e4m3; xs, ws fp32)
+
+which is what `torch._scaled_mm` computes with row-wise scales (the CUDA path, bf16 out; it
+runs on CPU too). `fp8_linear_ref` is the same product emulated in fp32: the reference the
+torch backend runs and the tests compare against. Embedding, norms and lm_head stay in the
+activation dtype. Only the math and the layer live here; the batch-1 GEMV reads the e4m3
+weights itself (lantau/kernels/gemv.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite e4m3fn value
+# NOTE: an all-zero row gets this scale, not 0: its quantized values stay 0 and nothing divides
+# by zero
+MIN_SCALE = 1e-12
+# row-wise _scaled_mm needs compute capability 8.9 (Ada) or newer
+MIN_CAPABILITY = (8, 9)
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row scaled so its largest magnitude maps to E4M3_MAX, then rounded to e4m3.
+
+    t: [R, C] (any float dtype) -> (q [R, C] e4m3, scale [R] fp32), t ~ q * scale[:, None].
+    Weights are quantized by output channel and activations by token with this one function.
+    """
+    t32 = t.float()
+    scale = (t32.abs().amax(dim=-1) / E4M3_MAX).clamp(min=MIN_SCALE)  # [R]
+    q = (t32 / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+def dequantize_rows(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """q [R, C] e4m3, scale [R] -> [R, C] in dtype."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight is e4m3 with one fp32 scale a row; bias in the activation
+    dtype. Allocated in e4m3 directly (no wide intermediate); filled by `load_rows`. NOTE:
+    build it with the activation dtype as torch's default; `.to(dtype)` would widen the e4m3."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        # NOTE: parameters so that they move and load like nn.Linear's; never trained
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=E4M3), False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32), False)
+        self.bias = nn.Parameter(torch.zeros(out_features), False) if bias else None
+
+    @torch.no_grad()
+    def load_rows(self, rows: slice, weight: torch.Tensor) -> None:
+        """Quantize `weight` (the rows `rows` of the full matrix, any float dtype, any device)
+        on this layer's device into those rows: one tensor at a time, so loading needs no
+        more than one wide tensor beside the model."""
+        q, scale = quantize_rows(weight.to(self.weight.device))
+        self.weight[rows].copy_(q)
+        self.weight_scale[rows].copy_(scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3"
+
+
+def fp8_linear_ref(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
+    """_scaled_mm's product emulated in fp32: x quantized by token, both sides dequantized.
+    x: [M, K] -> [M, N] in x's dtype."""
+    xq, xs = quantize_rows(x)
+    w = dequantize_rows(layer.weight, layer.weight_scale)  # [N, K] fp32
+    y = dequantize_rows(xq, xs) @ w.T
+    if layer.bias is not None:
+        y = y + layer.bias.float()
+    return y.to(x.dtype)
+
+
+def fp8_linear_scaled_mm(
+    x: torch.Tensor,
+    layer: Fp8Linear,
+    xq: torch.Tensor | None = None,
+    xs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`torch._scaled_mm` with row-wise scales (CUDA: tensor cores, compute capability 8.9+).
+    x: [M, K] bf16 -> [M, N] bf16. xq, xs: x already quantized (the Triton kernel's)."""
+    if xq is None:
+        xq, xs = quantize_rows(x)
+    y = torch._scaled_mm(
+        xq,
+        layer.weight.t(),  # [K, N] column-major, as _scaled_mm wants its second operand
+        scale_a=xs[:, None],  # [M, 1]
+        scale_b=layer.weight_scale[None, :],  # [1, N]
+        out_dtype=torch.bfloat16,
+    )
+    if layer.bias is not None:
+        y = y + layer.bias
+    return y.to(x.dtype)
+
+
+def dequantized_linear(layer: Fp8Linear, dtype: torch.dtype) -> nn.Linear:
+    """An nn.Linear in `dtype` holding the layer's dequantized weight: what the benchmarks
+    compare fp8 against."""
+    out = nn.Linear(layer.in_features, layer.out_features, layer.bias is not None)
+    out = out.to(device=layer.weight.device, dtype=dtype)
+    with torch.no_grad():
+        out.weight.copy_(dequantize_rows(layer.weight, layer.weight_scale, dtype))
+        if layer.bias is not None:
+            out.bias.copy_(layer.bias)
+    return out
+
+
+def check_device(device: torch.device) -> None:
+    """Raise where FP8 weights cannot run: a CUDA GPU without row-wise FP8 matmuls."""
+    if device.type != "cuda":
+        return  # CPU: _scaled_mm and the reference both run
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"dtype='fp8' needs a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+            f" or newer (Ada, Hopper, Blackwell) for its FP8 matmuls; {name} is "
+            f"{capability[0]}.{capability[1]}: use dtype='bfloat16'"
+        )
+
+
+def linear_layer(in_features: int, out_features: int, bias: bool, quantization: str | None):
+    """The model's projection layer: nn.Linear, or Fp8Linear for quantization='fp8'."""
+    if quantization == "fp8":
+        return Fp8Linear(in_features, out_features, bias)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+# the torch backend's product of one layer (F.linear, or the fp8 reference)
+def linear_ref(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    if isinstance(layer, Fp8Linear):
+        return fp8_linear_ref(x, layer)
+    return F.linear(x, layer.weight, layer.bias)
