@@ -30,9 +30,21 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from lantau.engine.args import DTYPES
+
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="auto: bfloat16 on CUDA, float32 on CPU; fp8: e4m3 weights in every decoder "
+        "linear layer, bfloat16 activations (CUDA: compute capability 8.9+)",
+    )
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF folder, .gguf file or random:NAME")
-    p.add_argument("--dtype", default="auto")
+    _add_dtype_arg(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -260,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)
     p = b.add_parser("offline", help="the in-process engine on a standard workload")
     p.add_argument("--model", default="random:llama3-8b")
+    _add_dtype_arg(p)
     p.add_argument(
         "--workload", default="W2", help="W2 | W5 | W3-1000 | W3-128 | W3-2048 | in:N/out:M"
     )

@@ -62,7 +62,8 @@ class RunStats:
 
 
 def measure_ceilings(device: torch.device) -> dict:
-    """Device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate."""
+    """Device-to-device copy bandwidth (bytes read + written), the bf16 matmul rate and, where
+    the GPU has them, row-wise-scaled fp8 matmuls' (`_scaled_mm`, bf16 out)."""
     if device.type != "cuda":
         return {}
     n = 1 << 30  # 2 GiB of bf16 per buffer
@@ -72,10 +73,21 @@ def measure_ceilings(device: torch.device) -> dict:
     x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     y = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     mm_ms = _time_cuda(lambda: x @ y)
-    return {
+    ceilings = {
         "copy_tb_s": round(2 * n * 2 / copy_ms / 1e9, 3),
         "bf16_matmul_tflop_s": round(2 * 8192**3 / mm_ms / 1e9, 1),
     }
+    if torch.cuda.get_device_capability(device) >= (8, 9):
+        from lantau.model.fp8 import quantize_rows
+
+        (xq, xs), (yq, ys) = quantize_rows(x), quantize_rows(y)
+        fp8_ms = _time_cuda(
+            lambda: torch._scaled_mm(
+                xq, yq.t(), scale_a=xs[:, None], scale_b=ys[None, :], out_dtype=torch.bfloat16
+            )
+        )
+        ceilings["fp8_matmul_tflop_s"] = round(2 * 8192**3 / fp8_ms / 1e9, 1)
+    return ceilings
 
 
 def _time_cuda(fn, warmup: int = 3, iters: int = 10) -> float:
@@ -260,11 +272,17 @@ def bench_offline(args) -> dict:
     from lantau.engine.args import build_engine_config, resolve_device
     from lantau.llm import LLM
 
-    config, _ = build_engine_config(args.model, dtype="auto", device="auto")
+    dtype = getattr(args, "dtype", "auto")
+    config, _ = build_engine_config(args.model, dtype=dtype, device="auto")
     config = resolve_device(config, torch.cuda.is_available())
     workload = make_workload(args.workload, config.model_config.vocab_size, args.num_prompts)
     device = torch.device(config.device)
-    result = {"workload": workload.name, "model": args.model, "ceilings": measure_ceilings(device)}
+    result = {
+        "workload": workload.name,
+        "model": args.model,
+        "dtype": dtype,
+        "ceilings": measure_ceilings(device),
+    }
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the ceilings' buffers
     if device.type == "cuda":
@@ -282,6 +300,7 @@ def bench_offline(args) -> dict:
     )
     llm = LLM(
         args.model,
+        dtype=dtype,
         max_model_len=max(max_len, args.max_model_len or 0),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
