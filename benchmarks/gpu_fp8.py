@@ -1,0 +1,406 @@
+"""FP8 weights on one H200, in one call of about 9 minutes: accuracy against bf16 on a random
+llama3-8b, the fp8 GEMV's tilings, and the W2 / W3 / W4 workloads through the offline path.
+
+    PYTHONPATH=. python3 benchmarks/gpu_fp8.py [--budget-s 480] [--skip sweep,w4]
+
+Sections, in order (each on its own: an error is printed and the next section runs):
+  ceilings  copy bandwidth, bf16 and row-wise fp8 matmul rates (8192^3)
+  kernels   at llama3-8b's projection shapes: the fp8 GEMV vs `_scaled_mm` vs the dequantized
+            fp32 reference; the per-token quantization kernel vs torch
+  w2-bf16   random:llama3-8b bf16: W2 (ms/token), and the reference logits / greedy tokens
+  fp8-8b    random:llama3-8b fp8 (the same draws, quantized): logits rel. error, top-1 and
+            greedy agreement against bf16; W2-fp8; W3-fp8-128, -1000, -2048 (trimmed)
+  w4        random:llama3-70b fp8, created on the GPU layer by layer: W4-bs1, W4-128, W4-1000
+  sweep     the fp8 GEMV's tilings at the 8B and 70B shapes, GB/s against the bf16 GEMV
+Request counts are trimmed from WORKLOADS.md's to fit the budget (printed); a section that
+would start past --budget-s is skipped (printed). A short table comes last; everything goes to
+$OUT/gpu_fp8.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+import traceback
+
+import torch
+
+RESULTS: dict = {}
+TABLE: list[tuple[str, str, str]] = []  # (what, figure, comparison)
+START = time.perf_counter()
+BUDGET_S = 480.0
+# llama3-8b / -70b projections (N, K); lm_head stays bf16
+SHAPES_8B = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+SHAPES_70B = {
+    "70b qkv": (10240, 8192),
+    "70b o": (8192, 8192),
+    "70b gate_up": (57344, 8192),
+    "70b down": (8192, 28672),
+}
+# the fp8 GEMV's K-loop tilings (BLOCK_N, BLOCK_K, num_warps, num_stages): 16-byte loads of
+# one-byte weights want BLOCK_K twice the bf16 kernel's for the same bytes a program
+LOOP_TILES = [
+    (4, 1024, 2, 4), (8, 512, 4, 4), (16, 256, 4, 4), (8, 1024, 4, 4), (16, 512, 4, 4),
+    (4, 2048, 4, 4), (8, 2048, 4, 3), (16, 1024, 8, 3), (32, 512, 8, 3), (2, 2048, 2, 4),
+    (4, 4096, 4, 3), (32, 1024, 8, 3),
+]  # fmt: skip
+PRELOAD_TILES = [(2, 0, 2, 1), (2, 0, 4, 1), (4, 0, 4, 1), (4, 0, 8, 1), (8, 0, 8, 1)]
+
+
+def elapsed() -> float:
+    return time.perf_counter() - START
+
+
+def section(name: str):
+    """Run the section unless the budget is spent; an exception is printed, recorded and
+    the script goes on."""
+
+    def wrap(fn):
+        def run(*args, **kwargs):
+            if elapsed() > BUDGET_S:
+                print(f"\n=== {name}: SKIPPED, {elapsed():.0f} s spent of {BUDGET_S:.0f}")
+                TABLE.append((name, "skipped", f"budget spent at {elapsed():.0f} s"))
+                return None
+            t = time.perf_counter()
+            print(f"\n=== {name} (at {elapsed():.0f} s)", flush=True)
+            try:
+                out = fn(*args, **kwargs)
+            except Exception as e:  # report and go on: one run should yield all it can
+                traceback.print_exc()
+                RESULTS[name] = {"error": f"{type(e).__name__}: {e}"}
+                TABLE.append((name, "FAILED", f"{type(e).__name__}: {str(e)[:70]}"))
+                out = None
+            print(f"=== {name}: {time.perf_counter() - t:.1f} s", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            return out
+
+        return run
+
+    return wrap
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@section("ceilings")
+def ceilings() -> None:
+    from lantau.bench.offline import measure_ceilings
+
+    c = RESULTS["ceilings"] = measure_ceilings(torch.device("cuda"))
+    TABLE.append(
+        (
+            "ceilings",
+            f"{c['copy_tb_s']} TB/s copy",
+            f"mm bf16 {c['bf16_matmul_tflop_s']}, fp8 {c.get('fp8_matmul_tflop_s')} TFLOP/s",
+        )
+    )
+
+
+@section("kernels")
+def kernels() -> None:
+    """Each 8B projection with weights N(0, 0.02) quantized: the fp8 GEMV (as the model calls
+    it: preload up to K 4,096) and `_scaled_mm` (x quantized by the kernel) against the
+    dequantized fp32 product (x quantized too for _scaled_mm), and both against the bf16
+    weights' product (fp8's own error)."""
+    from lantau.kernels import fp8_quant
+    from lantau.kernels.gemv import gemv
+    from lantau.kernels.reference import gemv_ref
+    from lantau.model import fp8
+
+    res = {}
+    for name, (n, k) in SHAPES_8B.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wq, ws = fp8.quantize_rows(w)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        dequantized = gemv_ref(x, wq, weight_scale=ws)
+        exact = gemv_ref(x, w)
+        y_gemv = gemv(x, wq, weight_scale=ws, preload=k <= 4096)
+        xq, xs = fp8_quant.quantize_rows(x)
+        y_mm = torch._scaled_mm(
+            xq, wq.t(), scale_a=xs[:, None], scale_b=ws[None, :], out_dtype=torch.bfloat16
+        )
+        # _scaled_mm's reference quantizes x too (the GEMV reads x as it is)
+        both_dequantized = gemv_ref(fp8.dequantize_rows(xq, xs), wq, weight_scale=ws)
+        res[name] = {
+            "gemv_vs_dequantized": rel_err(y_gemv, dequantized),
+            "scaled_mm_vs_dequantized": rel_err(y_mm, both_dequantized),
+            "gemv_vs_bf16_weights": rel_err(y_gemv, exact),
+            "scaled_mm_vs_bf16_weights": rel_err(y_mm, exact),
+        }
+        xb = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+        q1, s1 = fp8_quant.quantize_rows(xb)
+        q2, s2 = fp8.quantize_rows(xb)
+        res[name]["quant_kernel_mismatches"] = int((q1.float() != q2.float()).sum())
+        res[name]["quant_kernel_scale_err"] = rel_err(s1, s2)
+        del w, wq
+    RESULTS["kernels"] = res
+    print(json.dumps(res, indent=1), flush=True)
+    worst_gemv = max(r["gemv_vs_dequantized"] for r in res.values())
+    worst_mm = max(r["scaled_mm_vs_dequantized"] for r in res.values())
+    worst_fp8 = max(r["gemv_vs_bf16_weights"] for r in res.values())
+    TABLE.append(
+        (
+            "fp8 GEMV / _scaled_mm vs dequantized (8B shapes)",
+            f"{worst_gemv:.1e} / {worst_mm:.1e}",
+            f"GEMV vs bf16 weights {worst_fp8:.3f} (fp8's own error)",
+        )
+    )
+
+
+def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n: int) -> dict:
+    from lantau.bench.offline import run_lantau
+    from lantau.bench.workloads import make_workload
+
+    w = make_workload(spec, llm.config.model_config.vocab_size, num_prompts)
+    if num_prompts and num_prompts < default_n:
+        print(f"{label}: {num_prompts} prompts, trimmed from {default_n}", flush=True)
+    stats = run_lantau(llm, w).summary()
+    stats["num_prompts_default"] = default_n
+    RESULTS[label] = stats
+    print(label, json.dumps(stats), flush=True)
+    trimmed = f" (of {default_n})" if w.num_prompts < default_n else ""
+    if spec in ("W2",) or label.endswith("bs1"):
+        fig = f"{stats['ms_per_token']:.2f} ms/tok"
+    else:
+        fig = f"{stats['output_tok_s']:.0f} tok/s"
+    TABLE.append(
+        (
+            f"{label} x{w.num_prompts}{trimmed}",
+            fig,
+            f"gpu {stats['gpu_util_pct']}%, p95 e2e {stats['e2e_p95_s']} s, at {elapsed():.0f} s",
+        )
+    )
+    return stats
+
+
+def reference_inputs(vocab: int):
+    """A fixed 512-token sequence and eight 64-token prompts of random ids."""
+    gen = torch.Generator().manual_seed(0)
+    text = torch.randint(256, vocab, (512,), generator=gen).tolist()
+    prompts = [torch.randint(256, vocab, (64,), generator=gen).tolist() for _ in range(8)]
+    return text, prompts
+
+
+def one_at_a_time(llm, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """Greedy tokens of each prompt alone: batch-1 decode, the GEMV path."""
+    from lantau.bench import accuracy
+
+    return [accuracy.greedy_tokens(llm, [p], num_tokens)[0] for p in prompts]
+
+
+@section("w2-bf16")
+def w2_bf16(ref: dict) -> None:
+    from lantau import LLM
+    from lantau.bench import accuracy
+
+    t = time.perf_counter()
+    llm = LLM("random:llama3-8b", dtype="bfloat16", max_model_len=4096, max_num_seqs=8)
+    print(f"engine up in {time.perf_counter() - t:.1f} s", flush=True)
+    run_workload(llm, "W2", None, "W2-bf16", 1)
+    text, prompts = reference_inputs(llm.config.model_config.vocab_size)
+    ref["logits"] = accuracy.sequence_logits(llm.engine.core.runner.model, text)
+    ref["tokens"] = one_at_a_time(llm, prompts, 32)
+    del llm
+
+
+@section("fp8-8b")
+def fp8_8b(ref: dict, counts: dict[str, int]) -> None:
+    from lantau import LLM
+    from lantau.bench import accuracy
+
+    t = time.perf_counter()
+    llm = LLM(
+        "random:llama3-8b", dtype="fp8", max_model_len=4096, max_num_seqs=384,
+        max_num_batched_tokens=65536,
+    )  # fmt: skip
+    RESULTS["fp8_8b_start_s"] = time.perf_counter() - t
+    print(f"engine up in {RESULTS['fp8_8b_start_s']:.1f} s", flush=True)
+    if "logits" in ref:
+        text, prompts = reference_inputs(llm.config.model_config.vocab_size)
+        logits = accuracy.sequence_logits(llm.engine.core.runner.model, text)
+        tokens = one_at_a_time(llm, prompts, 32)
+        acc = {
+            "logits_rel_err": rel_err(logits, ref["logits"]),
+            "top1_agreement": (logits.argmax(-1) == ref["logits"].argmax(-1)).float().mean().item(),
+            "greedy_agreement_bs1": accuracy.leading_agreement(tokens, ref["tokens"]),
+            "perplexity_of_random_text": accuracy.perplexity(logits, text),
+            "bf16_perplexity_of_random_text": accuracy.perplexity(ref["logits"], text),
+        }
+        RESULTS["fp8_vs_bf16_8b"] = acc
+        print(json.dumps(acc), flush=True)
+        TABLE.append(
+            (
+                "llama3-8b fp8 vs bf16 (random)",
+                f"logits rel err {acc['logits_rel_err']:.3f}",
+                f"top-1 {acc['top1_agreement']:.3f}, greedy bs1 {acc['greedy_agreement_bs1']:.3f}",
+            )
+        )
+    run_workload(llm, "W2", None, "W2-fp8", 1)
+    if "W2-bf16" in RESULTS and "ms_per_token" in RESULTS["W2-bf16"]:
+        ratio = RESULTS["W2-fp8"]["ms_per_token"] / RESULTS["W2-bf16"]["ms_per_token"]
+        TABLE.append(("W2-fp8 / W2-bf16", f"{100 * ratio:.1f} %", "target <= 55 %"))
+    defaults = {"W3-128": 30000, "W3-1000": 3000, "W3-2048": 3000}
+    for spec in ("W3-128", "W3-1000", "W3-2048"):
+        if elapsed() > BUDGET_S - 200:  # leave the 70B its time
+            TABLE.append((f"{spec}-fp8", "skipped", f"budget at {elapsed():.0f} s"))
+            continue
+        label = spec.replace("W3-", "W3-fp8-")
+        try:
+            run_workload(llm, spec, counts[spec], label, defaults[spec])
+        except Exception as e:
+            traceback.print_exc()
+            TABLE.append((label, "FAILED", f"{type(e).__name__}: {str(e)[:70]}"))
+    del llm
+
+
+@section("w4")
+def w4(counts: dict[str, int]) -> None:
+    from lantau import LLM
+
+    t = time.perf_counter()
+    llm = LLM(
+        "random:llama3-70b", dtype="fp8", max_model_len=2048, max_num_seqs=128,
+        max_num_batched_tokens=16384, scheduling_policy="guaranteed_no_evict",
+    )  # fmt: skip
+    start_s = RESULTS["w4_start_s"] = time.perf_counter() - t
+    used = torch.cuda.memory_allocated() / 1e9
+    blocks = llm.config.cache.num_blocks
+    print(f"70B fp8 engine up in {start_s:.1f} s, {used:.1f} GB, {blocks} KV blocks", flush=True)
+    TABLE.append(("llama3-70b fp8 engine", f"up in {start_s:.0f} s", f"{blocks} KV blocks"))
+    run_workload(llm, "in:128/out:512", 1, "W4-bs1", 1)
+    for spec, label, default_n in (("W3-128", "W4-128", 30000), ("W3-1000", "W4-1000", 3000)):
+        if elapsed() > BUDGET_S - 30:
+            TABLE.append((label, "skipped", f"budget at {elapsed():.0f} s"))
+            continue
+        n = counts[label]
+        if label == "W4-1000":  # no more than the KV cache holds at once, twice
+            n = min(n, 2 * max(blocks * llm.config.cache.block_size // 2000, 1))
+        try:
+            run_workload(llm, spec, n, label, default_n)
+        except Exception as e:
+            traceback.print_exc()
+            TABLE.append((label, "FAILED", f"{type(e).__name__}: {str(e)[:70]}"))
+    del llm
+
+
+@section("sweep")
+def sweep() -> None:
+    """Each shape: its weights rotated through enough copies that L2 holds none, chained in
+    one CUDA graph; GB/s = weight bytes read / time."""
+    from lantau.bench.offline import graph_ms
+    from lantau.kernels.gemv import PRELOAD_MAX_K, default_config, gemv, preload_config
+    from lantau.kernels.reference import gemv_ref
+    from lantau.model import fp8
+
+    results = {}
+    for name, (n, k) in {**SHAPES_8B, **SHAPES_70B}.items():
+        if elapsed() > BUDGET_S + 40:
+            TABLE.append((f"sweep {name}", "skipped", f"budget at {elapsed():.0f} s"))
+            continue
+        copies = max(2, (1 << 30) // (n * k))  # about 1 GB of fp8 weights
+        wide = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)
+        ]
+        quant = [fp8.quantize_rows(w) for w in wide]
+        xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in wide]
+        ref = gemv_ref(xs[0], quant[0][0], weight_scale=quant[0][1])
+        fp8_gb, bf16_gb = copies * n * (k + 4) / 1e6, copies * n * k * 2 / 1e6  # / ms: GB/s
+        preload = k <= 4096  # as the model calls it (KernelConfig.gemv_preload_max_k)
+        base = preload_config(n, k) if preload else default_config(n, k)
+
+        def bf16_run(wide=wide, xs=xs, preload=preload):
+            return [gemv(x, w, preload=preload) for x, w in zip(xs, wide, strict=True)]
+
+        row = {"bf16 default": bf16_gb / graph_ms(bf16_run)}
+        tiles = [(t, False) for t in LOOP_TILES]
+        tiles += [(t, True) for t in PRELOAD_TILES] if k <= PRELOAD_MAX_K else []
+        for tile, pre in [(None, preload), *tiles]:
+            key = f"{'preload ' if pre else ''}{tile}" if tile else "default"
+
+            def run(tile=tile, pre=pre, quant=quant, xs=xs):
+                return [
+                    gemv(x, q, config=tile, preload=pre, weight_scale=s)
+                    for x, (q, s) in zip(xs, quant, strict=True)
+                ]
+
+            try:
+                if rel_err(run()[0], ref) > 1e-2:
+                    print(name, key, "wrong result: skipped", flush=True)
+                    continue
+                row[key] = fp8_gb / graph_ms(run)
+            except Exception as e:  # a tiling that does not build: skipped
+                print(name, key, type(e).__name__, str(e)[:80], flush=True)
+        results[name] = row
+        best = max((key for key in row if key != "bf16 default"), key=row.get)
+        default_gb = row.get("default", float("nan"))
+        TABLE.append(
+            (
+                f"fp8 GEMV {name} {n}x{k}",
+                f"default {default_gb:.0f} GB/s, best {best} {row[best]:.0f}",
+                f"bf16 GEMV {row['bf16 default']:.0f} GB/s (default {base})",
+            )
+        )
+        print(TABLE[-1], json.dumps({k_: round(v, 1) for k_, v in row.items()}), flush=True)
+        del wide, quant, xs
+        torch.cuda.empty_cache()
+    RESULTS["sweep"] = results
+
+
+def parse_counts(spec: str) -> dict[str, int]:
+    """ "W3-128=6144,W4-1000=128" -> counts, over the defaults."""
+    counts = {"W3-128": 4608, "W3-1000": 768, "W3-2048": 400, "W4-128": 768, "W4-1000": 128}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        counts[key] = int(value)
+    return counts
+
+
+def main() -> None:
+    global BUDGET_S
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="start no section after")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    parser.add_argument(
+        "--counts", default="", help="request counts, e.g. W3-128=4608,W3-1000=768,W4-1000=128"
+    )
+    args = parser.parse_args()
+    BUDGET_S = args.budget_s
+    skip = set(args.skip.split(","))
+    counts = parse_counts(args.counts)
+    print(torch.__version__, torch.cuda.get_device_name(), "counts", counts, flush=True)
+    ref: dict = {}
+    for name, fn, fn_args in [
+        ("ceilings", ceilings, ()),
+        ("kernels", kernels, ()),
+        ("w2-bf16", w2_bf16, (ref,)),
+        ("fp8-8b", fp8_8b, (ref, counts)),
+        ("w4", w4, (counts,)),
+        ("sweep", sweep, ()),
+    ]:
+        if name not in skip:
+            fn(*fn_args)
+        if name == "fp8-8b":
+            ref.clear()
+    RESULTS["total_s"] = elapsed()
+    with open(os.path.join(os.environ.get("OUT", "."), "gpu_fp8.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    print(f"\ntotal {elapsed():.0f} s\n| what | figure | comparison |\n| --- | --- | --- |")
+    for row in TABLE:
+        print(f"| {' | '.join(row)} |")
+
+
+if __name__ == "__main__":
+    main()
