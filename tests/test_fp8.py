@@ -214,3 +214,19 @@ def test_dtype_fp8_config_and_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"8\.9 or newer.*A100 is 8\.0"):
         fp8.check_device(torch.device("cuda"))
     fp8.check_device(torch.device("cpu"))
+
+
+def test_cli_takes_dtype_fp8(monkeypatch):
+    """`lantau serve` and `lantau bench offline` list fp8 among their dtypes and pass it on;
+    anything else is refused before an engine starts."""
+    from lantau import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "serve", lambda args: seen.setdefault("serve", args.dtype) and 0)
+    monkeypatch.setattr(cli, "bench", lambda args: seen.setdefault("bench", args.dtype) and 0)
+    cli.main(["serve", "--dtype", "fp8"])
+    cli.main(["bench", "offline", "--dtype", "fp8"])
+    assert seen == {"serve": "fp8", "bench": "fp8"}
+    for argv in (["serve", "--dtype", "fp4"], ["bench", "offline", "--dtype", "int8"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
