@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass(frozen=True)
@@ -41,6 +40,10 @@ class RopeScaling:
             high_freq_factor=float(d.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
         )
+
+
+# None: weights in the engine's dtype; "fp8": e4m3 linear weights (ModelConfig.quantization)
+QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass(frozen=True)
