@@ -52,6 +52,15 @@ LOOP_TILES = [
     (4, 2048, 4, 4), (8, 2048, 4, 3), (16, 1024, 8, 3), (32, 512, 8, 3), (2, 2048, 2, 4),
     (4, 4096, 4, 3), (32, 1024, 8, 3),
 ]  # fmt: skip
+# issue 20's targets (TensorRT-LLM's best published figures on one H200 are the bar)
+TARGETS = {
+    "W3-fp8-128": ">= 29,526 tok/s",
+    "W3-fp8-1000": ">= 17,744 tok/s",
+    "W3-fp8-2048": ">= 3,794 tok/s",
+    "W4-bs1": "<= 18 ms/tok (floor 16.4)",
+    "W4-128": ">= 4,100 tok/s",
+    "W4-1000": ">= 3,000 tok/s",
+}
 PRELOAD_TILES = [(2, 0, 2, 1), (2, 0, 4, 1), (4, 0, 4, 1), (4, 0, 8, 1), (8, 0, 8, 1)]
 
 
@@ -180,7 +189,8 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
         (
             f"{label} x{w.num_prompts}{trimmed}",
             fig,
-            f"gpu {stats['gpu_util_pct']}%, p95 e2e {stats['e2e_p95_s']} s, at {elapsed():.0f} s",
+            f"target {TARGETS.get(label, '-')}; gpu {stats['gpu_util_pct']}%, "
+            f"p95 e2e {stats['e2e_p95_s']} s, at {elapsed():.0f} s",
         )
     )
     return stats
@@ -254,10 +264,10 @@ def fp8_8b(ref: dict, counts: dict[str, int]) -> None:
         TABLE.append(("W2-fp8 / W2-bf16", f"{100 * ratio:.1f} %", "target <= 55 %"))
     defaults = {"W3-128": 30000, "W3-1000": 3000, "W3-2048": 3000}
     for spec in ("W3-128", "W3-1000", "W3-2048"):
-        if elapsed() > BUDGET_S - 200:  # leave the 70B its time
-            TABLE.append((f"{spec}-fp8", "skipped", f"budget at {elapsed():.0f} s"))
-            continue
         label = spec.replace("W3-", "W3-fp8-")
+        if elapsed() > BUDGET_S - 200:  # leave the 70B its time
+            TABLE.append((label, "skipped", f"budget at {elapsed():.0f} s"))
+            continue
         try:
             run_workload(llm, spec, counts[spec], label, defaults[spec])
         except Exception as e:
