@@ -105,18 +105,6 @@ def fp8_linear_scaled_mm(
     return y.to(x.dtype)
 
 
-def dequantized_linear(layer: Fp8Linear, dtype: torch.dtype) -> nn.Linear:
-    """An nn.Linear in `dtype` holding the layer's dequantized weight: what the benchmarks
-    compare fp8 against."""
-    out = nn.Linear(layer.in_features, layer.out_features, layer.bias is not None)
-    out = out.to(device=layer.weight.device, dtype=dtype)
-    with torch.no_grad():
-        out.weight.copy_(dequantize_rows(layer.weight, layer.weight_scale, dtype))
-        if layer.bias is not None:
-            out.bias.copy_(layer.bias)
-    return out
-
-
 def check_device(device: torch.device) -> None:
     """Raise where FP8 weights cannot run: a CUDA GPU without row-wise FP8 matmuls."""
     if device.type != "cuda":
