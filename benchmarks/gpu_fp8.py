@@ -282,13 +282,15 @@ def w4(counts: dict[str, int]) -> None:
 
     t = time.perf_counter()
     sizes = {"max_num_seqs": 128, "max_num_batched_tokens": 16384}
+    llm = None
     try:
         llm = LLM(
             "random:llama3-70b", dtype="fp8", max_model_len=2048,
             scheduling_policy="guaranteed_no_evict", **sizes,
         )  # fmt: skip
-    except torch.OutOfMemoryError:  # once more, smaller steps and fewer graphs
+    except torch.OutOfMemoryError:
         traceback.print_exc()
+    if llm is None:  # once more, smaller steps and fewer graphs (the failed one's frames gone)
         gc.collect()
         torch.cuda.empty_cache()
         sizes = {"max_num_seqs": 64, "max_num_batched_tokens": 8192}
