@@ -257,3 +257,29 @@ def test_fp8_qwen2_biases_and_tied_embeddings(tmp_path):
     assert qkv.weight.dtype == E4M3 and qkv.bias.dtype == torch.bfloat16
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert rel_err(logits["fp8"], logits["float32"]) < 0.3  # measured 0.20 (chaotic: init 0.2)
+
+
+def test_fp8_load_streams_one_tensor_at_a_time(tiny_llama_dir):
+    """Loading with dtype="fp8" keeps no checkpoint tensor once the next is read: host memory
+    stays within one tensor (a 70B checkpoint streams through, quantized on the device)."""
+    import weakref
+
+    from lantau.model.hf_loader import iter_hf_weights
+    from lantau.model.loader import ModelSource, build_model, read_model_config
+
+    source = ModelSource("hf", tiny_llama_dir, str(tiny_llama_dir))
+    config = dataclasses.replace(read_model_config(source), quantization="fp8")
+    with _default_dtype(torch.bfloat16):
+        model = build_model(source, config, torch.bfloat16, torch.device("cpu"), seed=0)
+    seen: list[weakref.ref] = []
+
+    def watched():
+        for name, tensor in iter_hf_weights(tiny_llama_dir):
+            # the loop variable may hold the one before; none older may be alive
+            assert all(ref() is None for ref in seen[:-1]), name
+            seen.append(weakref.ref(tensor))
+            yield name, tensor
+            del tensor
+
+    model.load_weights(watched())
+    assert len(seen) > 10
