@@ -2,6 +2,7 @@
 llama3-8b, the fp8 GEMV's tilings, and the W2 / W3 / W4 workloads through the offline path.
 
     PYTHONPATH=. python3 benchmarks/gpu_fp8.py [--budget-s 480] [--skip sweep,w4]
+        [--fp8-engine-args '{"kv_cache_dtype": "fp8"}']   (where the fp8 KV cache is merged)
 
 Sections, in order (each on its own: an error is printed and the next section runs):
   ceilings  copy bandwidth, bf16 and row-wise fp8 matmul rates (8192^3)
@@ -32,6 +33,8 @@ RESULTS: dict = {}
 TABLE: list[tuple[str, str, str]] = []  # (what, figure, comparison)
 START = time.perf_counter()
 BUDGET_S = 480.0
+# more LLM(...) arguments for the fp8 engines (--fp8-engine-args), e.g. the fp8 KV cache's
+FP8_ENGINE_ARGS: dict = {}
 # llama3-8b / -70b projections (N, K); lm_head stays bf16
 SHAPES_8B = {
     "qkv": (6144, 4096),
@@ -234,7 +237,7 @@ def fp8_8b(ref: dict, counts: dict[str, int]) -> None:
     t = time.perf_counter()
     llm = LLM(
         "random:llama3-8b", dtype="fp8", max_model_len=4096, max_num_seqs=384,
-        max_num_batched_tokens=65536,
+        max_num_batched_tokens=65536, **FP8_ENGINE_ARGS,
     )  # fmt: skip
     RESULTS["fp8_8b_start_s"] = time.perf_counter() - t
     print(f"engine up in {RESULTS['fp8_8b_start_s']:.1f} s", flush=True)
@@ -286,7 +289,7 @@ def w4(counts: dict[str, int]) -> None:
     try:
         llm = LLM(
             "random:llama3-70b", dtype="fp8", max_model_len=2048,
-            scheduling_policy="guaranteed_no_evict", **sizes,
+            scheduling_policy="guaranteed_no_evict", **sizes, **FP8_ENGINE_ARGS,
         )  # fmt: skip
     except torch.OutOfMemoryError:
         traceback.print_exc()
@@ -297,7 +300,7 @@ def w4(counts: dict[str, int]) -> None:
         print(f"70B engine out of memory: once more with {sizes}", flush=True)
         llm = LLM(
             "random:llama3-70b", dtype="fp8", max_model_len=2048,
-            scheduling_policy="guaranteed_no_evict", **sizes,
+            scheduling_policy="guaranteed_no_evict", **sizes, **FP8_ENGINE_ARGS,
         )  # fmt: skip
     RESULTS["w4_engine"] = sizes
     start_s = RESULTS["w4_start_s"] = time.perf_counter() - t
@@ -394,18 +397,25 @@ def parse_counts(spec: str) -> dict[str, int]:
 
 
 def main() -> None:
-    global BUDGET_S
+    global BUDGET_S, FP8_ENGINE_ARGS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="start no section after")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
     parser.add_argument(
         "--counts", default="", help="request counts, e.g. W3-128=4608,W3-1000=768,W4-1000=128"
     )
+    parser.add_argument(
+        "--fp8-engine-args",
+        default="{}",
+        help='JSON of more LLM() arguments for the fp8 engines, e.g. \'{"kv_cache_dtype": "fp8"}\'',
+    )
     args = parser.parse_args()
     BUDGET_S = args.budget_s
+    FP8_ENGINE_ARGS = json.loads(args.fp8_engine_args)
     skip = set(args.skip.split(","))
     counts = parse_counts(args.counts)
-    print(torch.__version__, torch.cuda.get_device_name(), "counts", counts, flush=True)
+    print(torch.__version__, torch.cuda.get_device_name(), counts, FP8_ENGINE_ARGS, flush=True)
+    RESULTS["fp8_engine_args"] = FP8_ENGINE_ARGS
     ref: dict = {}
     for name, fn, fn_args in [
         ("ceilings", ceilings, ()),
