@@ -4,6 +4,10 @@ One program a row: a first pass over the row finds its largest magnitude, a seco
 still in L1/L2) writes row / scale in e4m3. In torch the same takes five launches and a wide
 fp32 copy of the row (a prefill's down_proj input is 65,536 x 14,336); here the row is read
 twice and written once in one byte an element. The reference is lantau.model.fp8.quantize_rows.
+
+NOTE: a scale per row keeps each token's product independent of the other rows: the CUDA
+graphs' padding rows (decode buckets, mixed-step token buckets) and a batch's make-up change
+no row's result, as they would with one scale for the whole batch.
 """
 
 from __future__ import annotations
