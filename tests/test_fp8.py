@@ -283,3 +283,20 @@ def test_fp8_load_streams_one_tensor_at_a_time(tiny_llama_dir):
 
     model.load_weights(watched())
     assert len(seen) > 10
+
+
+def test_bench_offline_fp8_cli(tmp_path):
+    """`lantau bench offline --dtype fp8` end to end on CPU: the run, and its dtype recorded."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "lantau.cli", "bench", "offline", "--model", "random:tiny",
+        "--dtype", "fp8", "--workload", "in:24/out:6", "--num-prompts", "3", "--output", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "fp8" and result["lantau"]["output_tokens"] == 18
