@@ -242,10 +242,12 @@ def test_poisson_arrivals_follow_the_schedule():
     with FakeOpenAIServer(lambda body: Script(ttft_s=0.01, itl_s=0.005)) as server:
         result = run_serve(config(server, num_requests=8, rate=40.0, seed=1))
         arrived = np.array(server.arrivals) - server.arrivals[0]
-    expected = arrival_times(8, 40.0, 1.0, 1)
-    starts = [r.start_s for r in result.records]
-    assert np.allclose(starts, expected, atol=0.004)
-    assert np.allclose(arrived, expected, atol=0.006)
+    expected = np.array(arrival_times(8, 40.0, 1.0, 1))
+    # on time within the clock's reading (ms), late only by a busy machine's scheduling (the
+    # schedule does not drift: each send is timed from the run's origin, not the send before)
+    late = 1000 * (np.array([r.start_s for r in result.records]) - expected)
+    assert (late >= -2).all() and (late <= LATE_MS).all(), late
+    assert (np.abs(1000 * arrived - 1000 * expected) <= LATE_MS).all()
     e2e_last = result.records[-1].e2e_s
     assert result.summary.duration_s == pytest.approx(expected[-1] + e2e_last, abs=0.01)
 

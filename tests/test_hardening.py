@@ -298,16 +298,25 @@ def test_n_counts_against_admission(shared):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
     async def main():
-        async with httpx.AsyncClient(timeout=60, headers=AUTH) as client:
-            body = {"prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "n": 3}
-            first = asyncio.create_task(client.post(f"{server.base}/v1/completions", json=body))
-            while server.status()["num_in_flight"] < 1:
-                await asyncio.sleep(0.02)
-            second = await client.post(f"{server.base}/v1/completions", json={**body, "n": 2})
-            return await first, second
+        # the first streams its 3 samples (until each has spoken; then it hangs up, which
+        # aborts it) while the second asks for 2 more: 3 + 2 > the 4 admitted
+        body = {"prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "n": 3}
+        url = f"{server.base}/v1/completions"
+        async with (
+            httpx.AsyncClient(timeout=60, headers=AUTH) as client,
+            client.stream("POST", url, json={**body, "stream": True}) as first,
+        ):
+            second = await client.post(url, json={**body, "n": 2})
+            indexes = set()
+            async for line in first.aiter_lines():
+                if line.startswith("data: {"):
+                    indexes |= {c["index"] for c in orjson.loads(line[6:])["choices"]}
+                if len(indexes) == 3:
+                    break
+        return first, indexes, second
 
-    first, second = asyncio.run(main())
-    assert first.status_code == 200 and len(first.json()["choices"]) == 3
+    first, indexes, second = asyncio.run(main())
+    assert first.status_code == 200 and indexes == {0, 1, 2}
     assert second.status_code == 429 and second.headers["retry-after"]
     wait_idle(server)
 
