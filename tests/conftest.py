@@ -78,6 +78,36 @@ def interpreter_bf16_dot(monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
+@pytest.fixture
+def interpreter_fp8_cast(monkeypatch):
+    """The interpreter of Triton 3.6 rounds to fp8 by adding the cut-off bit to the mantissa
+    without carrying it into the exponent (31.9 -> 16, not 32), and with no ties to even;
+    convert to and from e4m3 through torch's cast instead (round to nearest even, as a GPU's
+    cvt.rn does). The kernels themselves are unchanged."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_fp_to_fp
+    torch_dtypes = {
+        tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+        tl.float8e4nv: torch.float8_e4m3fn,
+    }  # fmt: skip
+    ints = {1: (np.int8, torch.int8), 2: (np.int16, torch.int16), 4: (np.int32, torch.int32)}
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if tl.float8e4nv not in (src_ty, dst_ty):
+            return original(self, src, dst_type, rounding_mode)
+        data = np.ascontiguousarray(src.data)  # the raw bits (bf16 and fp8 as unsigned ints)
+        x = torch.from_numpy(data.view(ints[data.itemsize][0])).view(torch_dtypes[src_ty])
+        y = x.to(torch_dtypes[dst_ty])
+        bits = y.view(ints[y.element_size()][1]).numpy()
+        return interpreter.TensorHandle(bits.view(interpreter._get_np_dtype(dst_type)), dst_ty)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
+
+
 def _descendants() -> dict[int, str]:
     import psutil
 
