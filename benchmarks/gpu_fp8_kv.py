@@ -128,11 +128,14 @@ def check_kernels() -> None:
     tight = max(v for k, v in res.items() if k.endswith("_vs_dequantized"))
     loose = max(v for k, v in res.items() if k.endswith("_vs_bf16_cache"))
     TABLE.append(("fp8 attention vs ref, dequantized cache", f"{tight:.2e}", "tol 1e-2 (bf16)"))
-    TABLE.append(("fp8 attention vs ref, bf16 cache", f"{loose:.2e}", "CPU: ~3e-2 (N(0,1) KV)"))
+    TABLE.append(
+        ("fp8 attention vs ref, bf16 cache", f"{loose:.2e}", "CPU: 3.2-3.9e-2 (N(0,1) KV)")
+    )
     TABLE.append(
         (
             "fp8 KV writes",
-            f"rotary {res['rotary_bytes_differ']:.1e} bytes differ",
+            f"rotary: {res['rotary_keys_differ']:.1e} keys, {res['rotary_values_differ']:.1e}"
+            " values differ",
             f"rope-in-decode equal: {res['decode_rope_equal']}",
         )
     )
@@ -141,8 +144,9 @@ def check_kernels() -> None:
 
 def check_kv_writes(dev, dtype, scale) -> dict:
     """The rotary kernel's fp8 write against write_kv_cache_ref (the reference rounds the
-    rotated key to bf16 first: rare one-step differences), and decode attention's in-launch
-    rotary + write (small batches) against the rotary kernel then attention: equal."""
+    rotated key to bf16 first: ~2 % of keys one e4m3 step apart, values equal), and decode
+    attention's in-launch rotary + write (small batches) against the rotary kernel then
+    attention: equal."""
     from lantau.kernels import decode_attention as da
     from lantau.kernels import reference as ref
     from lantau.kernels import rotary
@@ -167,7 +171,11 @@ def check_kv_writes(dev, dtype, scale) -> dict:
         q, k, v, pos, cos_sin, cache, slots, k_scale=0.02, v_scale=0.015
     )
     differ = cache.view(torch.uint8) != cache_ref.view(torch.uint8)
-    res["rotary_bytes_differ"] = differ.float().mean().item()
+    # [2, tokens, HK, D]: the written slots' keys and values
+    written = differ.flatten(1, 2)[:, slots]
+    res["rotary_keys_differ"] = written[0].float().mean().item()  # CPU: 1.9 %
+    res["rotary_values_differ"] = written[1].float().mean().item()  # 0: no double rounding
+    res["rotary_untouched_differ"] = int(differ.sum() - written.sum())  # 0
     res["rotary_q"] = rel_err(q, q_ref)
     # 4 decode rows over an fp8 cache: rotary + write inside attention, or before it
     num_reqs, ctx = 4, 3000 if DEV == "cuda" else 300

