@@ -5,7 +5,7 @@ sizes (half the KV bytes read); W2 and W3-1000 on random:llama3-8b with kv_cache
 against auto (ms/token, tok/s, the KV cache's token capacity, greedy tokens against auto's).
 Prints a short table last and writes everything as JSON to $OUT/gpu_fp8_kv.json.
 
-    PYTHONPATH=. python3 benchmarks/gpu_fp8_kv.py [--w3-prompts 384] [--skip engines]
+    PYTHONPATH=. python3 benchmarks/gpu_fp8_kv.py [--w3-prompts 256] [--skip engines]
 
 Each stage runs on its own: a failure is reported and the next stage still runs. The engines
 borrow SmolLM2's tokenizer, as gpu_h200.py's workloads do (benchmarks/README.md: `.gl`).
@@ -136,7 +136,8 @@ def check_kernels() -> None:
             "fp8 KV writes",
             f"rotary: {res['rotary_keys_differ']:.1e} keys, {res['rotary_values_differ']:.1e}"
             " values differ",
-            f"rope-in-decode equal: {res['decode_rope_equal']}",
+            f"rope-in-decode: {res['decode_rope_bytes_differ']} of {4 * 2 * HK * D} bytes "
+            f"differ, out {res['decode_rope_out']:.1e}",
         )
     )
     print(json.dumps(res, indent=1), flush=True)
@@ -194,11 +195,11 @@ def check_kv_writes(dev, dtype, scale) -> dict:
     fused_cache, out = kv8.clone(), torch.empty_like(q)
     rope = da.DecodeRope(k, v, pos, cos_sin, slots)
     da.paged_decode_attention(q, fused_cache, out, lens, tables, ctx, scale, rope=rope)
-    res["decode_rope_out"] = rel_err(out, out_ref)
-    res["decode_rope_equal"] = bool(
-        torch.equal(fused_cache.view(torch.uint8), unfused_cache.view(torch.uint8))
-        and res["decode_rope_out"] < 1e-2
-    )
+    res["decode_rope_out"] = rel_err(out, out_ref)  # CPU: 0
+    # the bytes of the 4 slots written (CPU: none differ; an FMA contracted otherwise than in
+    # the rotary kernel could move a rare key one e4m3 step)
+    differ = fused_cache.view(torch.uint8) != unfused_cache.view(torch.uint8)
+    res["decode_rope_bytes_differ"] = int(differ.sum())
     return res
 
 
@@ -300,7 +301,7 @@ def engines(w3_prompts: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--w3-prompts", type=int, default=384, help="W3-1000's prompts an arm")
+    parser.add_argument("--w3-prompts", type=int, default=256, help="W3-1000's prompts an arm")
     parser.add_argument(
         "--decode-sizes",
         default="1x32768,8x8192,32x4096,64x16384,128x2048,256x2048",
