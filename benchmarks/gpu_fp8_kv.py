@@ -1,8 +1,9 @@
 """The fp8 KV cache on one H200, in about 5 minutes: the attention kernels and the KV writes on an
 fp8 cache against the torch reference at llama3-8b's shapes (32 query heads, 8 kv heads, head
 128); decode attention's time on an fp8 cache against a bf16 one at several batch / context
-sizes (half the KV bytes read); W2 and W3-1000 on random:llama3-8b with kv_cache_dtype fp8
-against auto (ms/token, tok/s, the KV cache's token capacity, greedy tokens against auto's).
+sizes (half the KV bytes read; three other tiles tried on fp8); W2 and W3-1000 on
+random:llama3-8b with kv_cache_dtype fp8 against auto (ms/token, tok/s, the KV cache's token
+capacity, greedy tokens against auto's).
 Prints a short table last and writes everything as JSON to $OUT/gpu_fp8_kv.json.
 
     PYTHONPATH=. python3 benchmarks/gpu_fp8_kv.py [--w3-prompts 256] [--skip engines]
@@ -203,12 +204,26 @@ def check_kv_writes(dev, dtype, scale) -> dict:
     return res
 
 
-@stage("decode-timing")
-def decode_timing(sizes: list[tuple[int, int]]) -> None:
-    """paged_decode_attention (default splits) on a bf16 cache and on its fp8 copy: time, KV
-    bytes read a second, and the speed-up."""
+# decode attention tiles (BLOCK_N, num_warps, num_stages) tried on the fp8 cache besides the
+# default (64, 4, 2): an fp8 tile of 64 keys is half a bf16 one's bytes, so longer or deeper
+# tiles may keep as many bytes in flight
+FP8_TILES = ((128, 4, 2), (128, 8, 2), (64, 4, 3))
+
+
+def time_decode(da, args, config=None) -> float:
+    """Median microseconds of one paged_decode_attention launch."""
     import triton.testing
 
+    ms = triton.testing.do_bench(
+        lambda: da.paged_decode_attention(*args, config=config), return_mode="median"
+    )
+    return round(1000 * ms, 1)
+
+
+@stage("decode-timing")
+def decode_timing(sizes: list[tuple[int, int]]) -> None:
+    """paged_decode_attention (default splits and tile) on a bf16 cache and on its fp8 copy:
+    time, KV bytes read a second, the speed-up; and the fp8 cache's best of FP8_TILES."""
     from lantau.kernels import decode_attention as da
 
     dev, scale, out = DEV, D**-0.5, {}
@@ -221,22 +236,26 @@ def decode_timing(sizes: list[tuple[int, int]]) -> None:
         o = torch.empty_like(q)
         row = {}
         for name, cache in caches.items():
-            args = (q, cache, o, lens, tables, ctx, scale)
-            ms = triton.testing.do_bench(
-                lambda args=args: da.paged_decode_attention(*args),
-                return_mode="median",
-            )
+            us = time_decode(da, (q, cache, o, lens, tables, ctx, scale))
             kv_bytes = num_reqs * ctx * HK * D * 2 * cache.element_size()
-            row[f"{name}_us"] = round(1000 * ms, 1)
-            row[f"{name}_tb_s"] = round(kv_bytes / ms / 1e9, 2)
+            row[f"{name}_us"] = us
+            row[f"{name}_tb_s"] = round(kv_bytes / us / 1e6, 2)
         row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 2)
+        tiles = {
+            t: time_decode(da, (q, caches["fp8"], o, lens, tables, ctx, scale), t)
+            for t in FP8_TILES
+        }
+        best = min(tiles, key=tiles.get)
+        row["fp8_tiles_us"] = {str(t): us for t, us in tiles.items()}
+        row["fp8_best_tile"], row["fp8_best_tile_us"] = list(best), tiles[best]
         out[f"{num_reqs}x{ctx}"] = row
         print(num_reqs, ctx, row, flush=True)
         TABLE.append(
             (
                 f"decode attn {num_reqs}x{ctx}",
                 f"fp8 {row['fp8_us']} us, bf16 {row['bf16_us']} us ({row['speedup']}x)",
-                f"KV read {row['fp8_tb_s']} / {row['bf16_tb_s']} TB/s",
+                f"KV read {row['fp8_tb_s']} / {row['bf16_tb_s']} TB/s; fp8 tile {best}: "
+                f"{tiles[best]} us",
             )
         )
         del kv, caches
