@@ -9,7 +9,7 @@ Prints a short table last and writes everything as JSON to $OUT/gpu_fp8_kv.json.
     PYTHONPATH=. python3 benchmarks/gpu_fp8_kv.py [--w3-prompts 256] [--skip engines]
 
 Each stage runs on its own: a failure is reported and the next stage still runs. The engines
-borrow SmolLM2's tokenizer, as gpu_h200.py's workloads do (benchmarks/README.md: `.gl`).
+take token-id prompts and detokenize nothing: no tokenizer (or `.gl`) needed.
 """
 
 from __future__ import annotations
