@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lantau.config import KV_CACHE_DTYPES
 from lantau.request import SamplingParams
 
 
@@ -47,6 +48,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_dtype_arg(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
+    _add_kv_cache_dtype_arg(p)
+
+
+def _add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto: the model's dtype; fp8: e4m3 (twice the cached tokens, docs/fp8-kv.md)",
+    )
 
 
 def _add_observability_args(p: argparse.ArgumentParser) -> None:
@@ -73,7 +84,10 @@ def _add_observability_args(p: argparse.ArgumentParser) -> None:
 def chat(args: argparse.Namespace) -> int:
     from lantau.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    llm = LLM(
+        args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )  # fmt: skip
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
     )
@@ -135,6 +149,7 @@ def serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
@@ -284,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-num-batched-tokens", type=int, default=None, help="W3: 65536, else the engine's"
     )
     p.add_argument("--max-model-len", type=int, default=None)
+    _add_kv_cache_dtype_arg(p)
     p.add_argument("--enforce-eager", action="store_true")
     _add_scheduling_args(p)
     p.add_argument("--output", default=None, help="write the result as JSON here")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# "auto": the model's dtype; "fp8": e4m3 (float8_e4m3fn), half a bf16 cache's bytes a token
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -140,8 +142,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.90  # share of the card the engine may use (CUDA)
     cpu_kv_cache_bytes: int = 1 << 30  # KV budget on CPU
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            names = ", ".join(KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {names}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

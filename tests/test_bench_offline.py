@@ -23,8 +23,12 @@ def test_workloads_have_the_specified_shapes():
 
 @pytest.mark.parametrize(
     "engine_flags",
-    [[], ["--no-async-scheduling", "--scheduling-policy", "guaranteed_no_evict"]],
-    ids=["default", "sync+no-evict"],
+    [
+        [],
+        ["--no-async-scheduling", "--scheduling-policy", "guaranteed_no_evict"]
+        + ["--kv-cache-dtype", "fp8"],
+    ],
+    ids=["default", "sync+no-evict+fp8-kv"],
 )
 def test_bench_offline_cli(tmp_path, engine_flags):
     out = tmp_path / "result.json"
@@ -39,6 +43,8 @@ def test_bench_offline_cli(tmp_path, engine_flags):
     assert ours["num_prompts"] == 5 and ours["output_tokens"] == 30
     assert ours["output_tok_s"] > 0 and ours["e2e_p95_s"] >= ours["e2e_p50_s"] > 0
     assert "lantau" in proc.stdout  # the printed table
+    assert result["kv_cache_dtype"] == ("fp8" if "fp8" in engine_flags else "auto")
+    assert result["kv_tokens"] == 16 * result["kv_blocks"] > 0
 
 
 def test_engine_sizes_per_workload():

@@ -305,6 +305,7 @@ def bench_offline(args) -> dict:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         scheduling_policy=getattr(args, "scheduling_policy", "max_utilization"),
         long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0),
         async_scheduling=getattr(args, "async_scheduling", True),
@@ -313,7 +314,10 @@ def bench_offline(args) -> dict:
     ours = run_lantau(llm, workload)
     result["lantau"] = ours.summary()
     result["new_segments_during_run"] = _num_segments(device) - segments_before
-    result["kv_blocks"] = llm.config.cache.num_blocks
+    cache = llm.config.cache
+    result["kv_blocks"] = cache.num_blocks
+    result["kv_cache_dtype"] = cache.kv_cache_dtype
+    result["kv_tokens"] = cache.num_blocks * cache.block_size  # the cache's token capacity
     sched = llm.config.scheduler
     result["engine"] = {
         "max_num_seqs": sched.max_num_seqs,
@@ -333,6 +337,8 @@ def print_report(result: dict) -> None:
     print(json.dumps(result, indent=1))
     rows = [result["lantau"], *result["peers"]]
     print(f"\n{result['workload']} on {result.get('card', 'cpu')}, ceilings {result['ceilings']}")
+    if "kv_tokens" in result:
+        print(f"KV cache: {result['kv_cache_dtype']}, {result['kv_tokens']:,} tokens")
     print(f"{'run':<10} {'tok/s':>10} {'ms/tok':>8} {'p50 e2e':>8} {'p95 e2e':>8} {'gpu %':>6}")
     for r in rows:
         print(

@@ -35,6 +35,7 @@ def build_engine_config(
     num_kv_blocks: int | None = None,
     gpu_memory_utilization: float = 0.90,
     enable_prefix_caching: bool = True,
+    kv_cache_dtype: str = "auto",
     max_num_seqs: int = 256,
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
@@ -46,7 +47,8 @@ def build_engine_config(
     kernels: KernelConfig | None = None,
 ) -> tuple[EngineConfig, ModelSource]:
     """The frozen EngineConfig and the model source, from user-facing arguments. `kernels`:
-    the triton backend's choices (default: KernelConfig's, PDL as LANTAU_PDL says)."""
+    the triton backend's choices (default: KernelConfig's, PDL as LANTAU_PDL says);
+    `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" (e4m3, twice the tokens)."""
     if tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: only 1 is supported so far")
     source = resolve_model_source(model)
@@ -81,6 +83,7 @@ def build_engine_config(
             num_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
+            kv_cache_dtype=kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_model_len=max_len,

@@ -6,6 +6,11 @@ lantau.kernels.reference.paged_attention_ref reads it. Keys are gathered one tok
 through the block table (`block_tables[req, t // block_size]`, slot `t % block_size`), so a KV
 tile (BLOCK_N tokens) need not match the cache block size.
 
+An fp8 cache (float8_e4m3fn) holds keys / k_scale and values / v_scale (one scale each a
+layer: reference.quantize_kv_ref). A tile is loaded as fp8 and converted to the query's dtype
+for the dots (exact: every e4m3 value is a bf16 or fp16 one); the scales cost nothing in the
+loop: k_scale is folded into the scores' scale, v_scale applied to the normalised output.
+
 Both kernels run the step (fp32, exp2 domain, scores scaled by scale * log2(e)) twice over a
 context: first the whole tiles every row sees, without a score mask, then the tiles at the
 causal edge / end of context, masked (faster prefill on an H200 than masking every tile).
@@ -23,6 +28,7 @@ import triton.language as tl
 
 LOG2E = math.log2(math.e)
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_KV_DTYPE = torch.float8_e4m3fn  # the cache dtype of kv_cache_dtype="fp8"
 MIN_BLOCK_M = 16  # smallest M of a tensor-core tile
 
 
@@ -52,8 +58,10 @@ def attend_tile(
     k_pos, k_valid, slot = tile_slots(
         table, start_n, key_end, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N
     )
-    # [HEAD_DIM, BLOCK_N]; slots past key_end may hold garbage, even NaN: never loaded
+    # [HEAD_DIM, BLOCK_N]; slots past key_end may hold garbage, even NaN: never loaded. An fp8
+    # cache's tile is converted to q's dtype (exactly); any other's .to is a no-op
     k = tl.load(k_base + slot[None, :] + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+    k = k.to(q.dtype)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [R, BLOCK_N]
     if MASK_SCORES:
         # -inf, never a multiply by 0: 0 * NaN = NaN. NOTE: callers guarantee every row sees
@@ -61,6 +69,7 @@ def attend_tile(
         s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
     p, alpha, l_i, m_new = softmax_step(s, l_i, m_i)
     v = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -87,6 +96,15 @@ def load_kv(k_base, v_base, slot, offs_d, mask):
     k = tl.load(k_base + slot[None, :] + offs_d[:, None], mask=mask[None, :], other=0.0)
     v = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
     return k, v
+
+
+@triton.jit
+def quantize_kv(x, inv_scale, cache_ptr):
+    """x as the cache at cache_ptr stores it: in an fp8 cache x * inv_scale (1 / the layer's
+    scale), in fp32, saturated to e4m3's +-448; in any other, x rounded to its dtype."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -125,8 +143,8 @@ def check_paged_inputs(
     assert block_size > 0, f"block_size {block_size}"
     assert out.shape == q.shape, f"out {tuple(out.shape)} != q {tuple(q.shape)}"
     assert q.dtype in _SUPPORTED_DTYPES, f"q dtype {q.dtype}"
-    assert kv_cache.dtype == q.dtype and out.dtype == q.dtype, (
-        f"q {q.dtype}, kv_cache {kv_cache.dtype}, out {out.dtype} must match"
+    assert kv_cache.dtype in (q.dtype, FP8_KV_DTYPE) and out.dtype == q.dtype, (
+        f"q {q.dtype}, kv_cache {kv_cache.dtype} (or fp8), out {out.dtype} must match"
     )
     for name, t in (("q", q), ("out", out), ("kv_cache", kv_cache)):
         assert t.stride(-1) == 1, f"{name} head_dim must be contiguous, strides {t.stride()}"
@@ -146,6 +164,13 @@ def check_paged_inputs(
     for name, t in (("kv_cache", kv_cache), ("out", out), ("seq_lens", seq_lens)):
         assert t.device == q.device, f"{name} on {t.device}, q on {q.device}"
     assert block_tables.device == q.device, f"block_tables on {block_tables.device}"
+
+
+def check_kv_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """Scales only mean something to an fp8 cache; positive and finite there."""
+    if kv_cache.dtype != FP8_KV_DTYPE:
+        assert k_scale == v_scale == 1.0, f"scales {k_scale}, {v_scale}: {kv_cache.dtype} cache"
+    assert 0.0 < k_scale < math.inf and 0.0 < v_scale < math.inf, f"scales {k_scale}, {v_scale}"
 
 
 def kv_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:

@@ -28,10 +28,12 @@ from lantau.kernels.attention_tiles import (
     LOG2E,
     MIN_BLOCK_M,
     attend_tile,
+    check_kv_scales,
     check_paged_inputs,
     dot_precision,
     kv_strides,
     load_kv,
+    quantize_kv,
     softmax_step,
     tile_slots,
 )
@@ -77,8 +79,8 @@ def _early_tile(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The split's first tile of keys and values, all but the step's own key (seq_len - 1),
-    which the kernel before writes: keys [HEAD_DIM, BLOCK_N], values [BLOCK_N, HEAD_DIM], which
-    keys lie in the split, and which are older than the step's own."""
+    which the kernel before writes: keys [HEAD_DIM, BLOCK_N], values [BLOCK_N, HEAD_DIM] (the
+    cache's dtype), which keys lie in the split, and which are older than the step's own."""
     k_pos, k_valid, slot = tile_slots(
         table, key_start, key_end, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N
     )
@@ -103,24 +105,24 @@ def _angles(cos_sin_ptr, pos_ptr, req, offs_d, HEAD_DIM: tl.constexpr):
 def _add_new_kv(
     k, v, new, to_cache, new_slot, req, kv_head, k_ptr, v_ptr, kv_ptr, cos, sin, offs_d,
     stride_k_req, stride_k_head, stride_v_req, stride_v_head, stride_kv_kv, stride_kv_slot,
-    stride_kv_head, HEAD_DIM: tl.constexpr,
+    stride_kv_head, k_inv_scale, v_inv_scale, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """The step's own key and value from the projection into the first tile (k, v) where
-    `new`: the key rotated and both rounded to the cache's dtype (as the rotary kernel stores
-    them), and stored to the request's slot when `to_cache` (the one split holding key
-    seq_len - 1, a real row) before any tile of it is read back."""
-    kv_ty = kv_ptr.dtype.element_ty
+    """The step's own key and value from the projection into the first tile (k, v, in q's
+    dtype) where `new`: the key rotated and both as the cache stores them (rounded, or
+    quantized into an fp8 cache, as the rotary kernel does), and stored to the request's slot
+    when `to_cache` (the one split holding key seq_len - 1, a real row) before any tile of it
+    is read back."""
     k_row = k_ptr + req.to(tl.int64) * stride_k_req + kv_head * stride_k_head
     v_row = v_ptr + req.to(tl.int64) * stride_v_req + kv_head * stride_v_head
     k_new = _rotate_row(k_row + offs_d, offs_d, offs_d >= 0, cos, sin, HEAD_DIM)
-    k_new = k_new.to(kv_ty)  # [HEAD_DIM]
-    v_new = tl.load(v_row + offs_d)
+    k_new = quantize_kv(k_new, k_inv_scale, kv_ptr)  # [HEAD_DIM]
+    v_new = quantize_kv(tl.load(v_row + offs_d), v_inv_scale, kv_ptr)
     dst = new_slot * stride_kv_slot + kv_head * stride_kv_head + offs_d
     tl.store(kv_ptr + dst, k_new, mask=to_cache & (offs_d >= 0))
     tl.store(kv_ptr + stride_kv_kv + dst, v_new, mask=to_cache & (offs_d >= 0))
     tl.debug_barrier()  # stored before a later tile of this program reads it
-    k = tl.where(new[None, :], k_new[:, None], k)
-    v = tl.where(new[:, None], v_new[None, :], v)
+    k = tl.where(new[None, :], k_new.to(k.dtype)[:, None], k)
+    v = tl.where(new[:, None], v_new.to(v.dtype)[None, :], v)
     return k, v
 
 
@@ -176,7 +178,8 @@ def _paged_decode_split_kernel(
     num_heads,
     num_kv_heads,
     num_splits,
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * log2(e) * k_scale (1 but for an fp8 cache)
+    v_scale,  # 1 but for an fp8 cache
     stride_q_req,
     stride_q_head,
     stride_out_req,
@@ -212,6 +215,8 @@ def _paged_decode_split_kernel(
     stride_k_head=0,
     stride_v_req=0,
     stride_v_head=0,
+    k_inv_scale=1.0,  # 1 / k_scale, 1 / v_scale: the step's key and value into an fp8 cache
+    v_inv_scale=1.0,
 ):
     if not ROPE:
         pdl_wait(USE_PDL)
@@ -249,6 +254,7 @@ def _paged_decode_split_kernel(
             table, key_start, key_end, seq_len, k_base, v_base, offs_d, stride_kv_block,
             stride_kv_slot, BLOCK_SIZE, BLOCK_N,
         )  # fmt: skip
+        k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)  # exact (fp8)
         holds_new = (key_start <= seq_len - 1) & (seq_len - 1 < key_end)
         cos, sin = _angles(cos_sin_ptr, pos_ptr, req, offs_d, HEAD_DIM)
         new_slot = tl.load(slot_ptr + req)
@@ -256,7 +262,8 @@ def _paged_decode_split_kernel(
         k, v = _add_new_kv(
             k, v, k_valid & ~old, holds_new & (new_slot >= 0), new_slot, req, kv_head, k_ptr,
             v_ptr, kv_ptr, cos, sin, offs_d, stride_k_req, stride_k_head, stride_v_req,
-            stride_v_head, stride_kv_kv, stride_kv_slot, stride_kv_head, HEAD_DIM,
+            stride_v_head, stride_kv_kv, stride_kv_slot, stride_kv_head, k_inv_scale,
+            v_inv_scale, HEAD_DIM,
         )  # fmt: skip
         # q rotated in fp32, rounded to its dtype (as the rotary kernel stores it)
         q = _rotate_row(
@@ -286,7 +293,8 @@ def _paged_decode_split_kernel(
             stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
         )  # fmt: skip
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # seq_len 0 (padding): zeros
+    # seq_len 0 (padding): zeros; an fp8 cache's v_scale applies to the partials alike
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
     if USE_SCRATCH:
         _store_split_and_merge(
             out, m_i, l_i, req, kv_head, head, head_mask, offs_d, split, seq_len, split_len,
@@ -461,6 +469,8 @@ def paged_decode_attention(
     merge: AttnMerge = AttnMerge.CHUNKED,
     rope: DecodeRope | None = None,
     use_pdl: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of one query per request over its whole cached context, into out.
 
@@ -469,7 +479,8 @@ def paged_decode_attention(
     size depends on shapes and num_splits only, and no value is read back to the host.
     max_seq_len may be an upper bound (it only chooses num_splits). A request with seq_len 0
     (padding) gets zeros. config: (BLOCK_N, num_warps, num_stages) of the kernel instead of
-    the default (tuning).
+    the default (tuning). An fp8 cache (float8_e4m3fn) holds keys / k_scale and values /
+    v_scale.
     rope (small decode batches): q is the projection's, not yet rotated; the kernel does what
     lantau.kernels.rotary.apply_rotary_and_write_kv would have done before it (q and the
     step's key rotated, key and value stored to each request's slot) and attends with them;
@@ -483,6 +494,7 @@ def paged_decode_attention(
     # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
     # seq_lens: [num_reqs] int32; block_tables: [num_reqs, max_blocks] int32
     check_paged_inputs(q, kv_cache, out, seq_lens, block_tables, max_seq_len)
+    check_kv_scales(kv_cache, k_scale, v_scale)
     num_reqs, num_heads, head_dim = q.shape
     assert seq_lens.shape[0] == num_reqs, f"{num_reqs} query rows, {seq_lens.shape[0]} seq_lens"
     block_size, num_kv_heads = kv_cache.shape[2:4]
@@ -497,6 +509,7 @@ def paged_decode_attention(
             cos_sin_ptr=rope.cos_sin_cache, slot_ptr=rope.slot_mapping,
             stride_k_req=rope.k.stride(0), stride_k_head=rope.k.stride(1),
             stride_v_req=rope.v.stride(0), stride_v_head=rope.v.stride(1),
+            k_inv_scale=1.0 / k_scale, v_inv_scale=1.0 / v_scale,
         )  # fmt: skip
     if num_reqs == 0:
         return
@@ -516,8 +529,8 @@ def paged_decode_attention(
     unrolled = merge is AttnMerge.UNROLLED
     _paged_decode_split_kernel[(num_kv_heads, num_reqs, num_splits)](
         q, kv_cache, out, part_out, part_lse, counters, seq_lens, block_tables, num_heads,
-        num_kv_heads, num_splits, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), *kv_strides(kv_cache), block_tables.stride(0),
+        num_kv_heads, num_splits, scale * LOG2E * k_scale, v_scale, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), *kv_strides(kv_cache), block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,

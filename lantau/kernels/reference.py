@@ -4,6 +4,10 @@ is not installed.
 
 Paged KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values).
 Token t of a request lives in slot `block_table[t // block_size] * block_size + t % block_size`.
+
+An fp8 cache (float8_e4m3fn) holds x / scale, saturated to e4m3's +-448, one scale for a
+layer's keys and one for its values (k_scale, v_scale): quantized where keys and values are
+written, dequantized (times the scale) where attention reads them.
 """
 
 from __future__ import annotations
@@ -58,18 +62,43 @@ def rotary_ref(
     return rotate(q), rotate(k)
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+
+
+def quantize_kv_ref(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: fp8 holds x / scale (in fp32, saturated), any other
+    dtype x itself, rounded."""
+    if dtype != FP8_KV_DTYPE:
+        return x.to(dtype)
+    # times the fp32 reciprocal, as the kernels do: one rounding, the same on every device
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize_kv_ref(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache contents x as `dtype` values: fp8 times its scale (in fp32), else x."""
+    if x.dtype != FP8_KV_DTYPE:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
 def write_kv_cache_ref(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter this step's keys and values into their cache slots, skipping slots < 0
-    (padding rows)."""
+    (padding rows); quantized with k_scale and v_scale into an fp8 cache."""
     # key, value: [num_tokens, num_kv_heads, head_dim]
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     # [2, num_blocks * block_size, num_kv_heads, head_dim]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     is_valid = slot_mapping >= 0
-    flat[0][slot_mapping[is_valid]] = key[is_valid]
-    flat[1][slot_mapping[is_valid]] = value[is_valid]
+    flat[0][slot_mapping[is_valid]] = quantize_kv_ref(key[is_valid], k_scale, kv_cache.dtype)
+    flat[1][slot_mapping[is_valid]] = quantize_kv_ref(value[is_valid], v_scale, kv_cache.dtype)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -115,10 +144,13 @@ def paged_attention_ref(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole cached context, the batch
     flat ("varlen"): request i owns query rows query_start_loc[i]:query_start_loc[i + 1], at
-    positions seq_lens[i] - num_q[i] .. seq_lens[i] - 1 of its sequence.
+    positions seq_lens[i] - num_q[i] .. seq_lens[i] - 1 of its sequence. An fp8 cache is
+    dequantized (k_scale, v_scale) to the query's dtype as it is gathered.
 
     Pads the batch to [num_reqs, max_query_len] queries and [num_reqs, max_seq_len] keys so one
     SDPA call serves prefill, chunked prefill and decode rows alike, with no host sync.
@@ -131,6 +163,8 @@ def paged_attention_ref(
     tables = block_tables[:, :max_blocks].long()
     # [2, num_reqs, max_blocks * block_size, num_kv_heads, head_dim]
     kv = kv_cache[:, tables].reshape(2, num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
+    keys = dequantize_kv_ref(kv[0], k_scale, query.dtype)
+    values = dequantize_kv_ref(kv[1], v_scale, query.dtype)
     key_len = max_blocks * block_size
 
     starts = query_start_loc[:-1].long()
@@ -144,8 +178,8 @@ def paged_attention_ref(
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [num_reqs, max_q, key_len]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # [num_reqs, num_heads, max_q, head_dim]
-        kv[0].transpose(1, 2),  # [num_reqs, num_kv_heads, key_len, head_dim]
-        kv[1].transpose(1, 2),
+        keys.transpose(1, 2),  # [num_reqs, num_kv_heads, key_len, head_dim]
+        values.transpose(1, 2),
         attn_mask=mask[:, None],
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
@@ -161,6 +195,8 @@ def unified_attention_ref(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """paged_attention_ref request by request, gathering only its keys, fp32 result.
 
@@ -179,12 +215,15 @@ def unified_attention_ref(
             continue
         k_pos = torch.arange(seq_len, device=q.device)
         slots = block_tables[i, k_pos // block_size].long() * block_size + k_pos % block_size
-        # [2, seq_len, num_heads, head_dim]: kv heads repeated for their query heads
-        kv = flat_kv[:, slots].float().repeat_interleave(num_heads // num_kv_heads, dim=2)
-        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), kv[0]) * scale
+        # [seq_len, num_heads, head_dim] each: kv heads repeated for their query heads
+        group = num_heads // num_kv_heads
+        keys = dequantize_kv_ref(flat_kv[0, slots], k_scale, torch.float32)
+        values = dequantize_kv_ref(flat_kv[1, slots], v_scale, torch.float32)
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), keys) * scale
         q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
         scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), kv[1])
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
     return out
 
 
@@ -194,8 +233,12 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """unified_attention_ref with one query row per request, fp32 result."""
     # q: [num_reqs, num_heads, head_dim] -> [num_reqs, num_heads, head_dim] fp32
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return unified_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+    return unified_attention_ref(
+        q, kv_cache, query_start_loc, seq_lens, block_tables, scale, k_scale, v_scale
+    )

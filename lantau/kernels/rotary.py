@@ -10,7 +10,8 @@ and element d < h of a head pairs with element d + h:
 
 as lantau.kernels.reference.rotary_ref computes it. One program rotates every q and k head of a
 token; q in place, while the rotated keys and the values go straight into their paged-cache
-slots (attention reads keys from the cache, not from k).
+slots (attention reads keys from the cache, not from k), quantized there if the cache is fp8
+(lantau.kernels.reference.quantize_kv_ref).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
+from lantau.kernels.attention_tiles import FP8_KV_DTYPE, check_kv_scales, quantize_kv
 from lantau.kernels.pdl import pdl_wait
 
 
@@ -96,6 +98,8 @@ def _rotary_write_kv_kernel(
     v_head_stride,
     num_heads,
     num_kv_heads,
+    k_inv_scale,  # 1 / k_scale, 1 / v_scale (1 but for an fp8 cache)
+    v_inv_scale,
     HALF_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_Q_HEADS: tl.constexpr,
@@ -120,12 +124,16 @@ def _rotary_write_kv_kernel(
     src = heads[:, None] * k_head_stride + dims[None, :]
     out1, out2 = _rotated(k_ptr + token * k_row_stride, src, mask, cos, sin, HALF_DIM)
     dst = slot * (num_kv_heads * 2 * HALF_DIM) + heads[:, None] * (2 * HALF_DIM) + dims[None, :]
-    out_ty = key_cache_ptr.dtype.element_ty
-    tl.store(key_cache_ptr + dst, out1.to(out_ty), mask=mask)
-    tl.store(key_cache_ptr + dst + HALF_DIM, out2.to(out_ty), mask=mask)
+    # each as the cache stores it: rounded, or quantized into an fp8 cache
+    out1 = quantize_kv(out1, k_inv_scale, key_cache_ptr)
+    tl.store(key_cache_ptr + dst, out1, mask=mask)
+    out2 = quantize_kv(out2, k_inv_scale, key_cache_ptr)
+    tl.store(key_cache_ptr + dst + HALF_DIM, out2, mask=mask)
     vsrc = v_ptr + token * v_row_stride + heads[:, None] * v_head_stride + dims[None, :]
-    tl.store(value_cache_ptr + dst, tl.load(vsrc, mask=mask), mask=mask)
-    tl.store(value_cache_ptr + dst + HALF_DIM, tl.load(vsrc + HALF_DIM, mask=mask), mask=mask)
+    v1 = quantize_kv(tl.load(vsrc, mask=mask), v_inv_scale, value_cache_ptr)
+    tl.store(value_cache_ptr + dst, v1, mask=mask)
+    v2 = quantize_kv(tl.load(vsrc + HALF_DIM, mask=mask), v_inv_scale, value_cache_ptr)
+    tl.store(value_cache_ptr + dst + HALF_DIM, v2, mask=mask)
 
 
 def apply_rotary_and_write_kv(
@@ -137,6 +145,8 @@ def apply_rotary_and_write_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     use_pdl: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Rotate q in place by the angles of each token's position; store rotated k and v into
     cache slot slot_mapping[t] (slot < 0: skipped). k itself is left as it was.
@@ -145,8 +155,9 @@ def apply_rotary_and_write_kv(
     strided views of a fused qkv output (any row and head stride, last dim contiguous).
     positions, slot_mapping: [num_tokens] int64. cos_sin_cache: [max_position, head_dim] fp32
     contiguous (lantau.model.ops.build_cos_sin_cache). kv_cache: [2, num_blocks, block_size,
-    num_kv_heads, head_dim] contiguous. Positions and slots are not range-checked (that would
-    need a device sync).
+    num_kv_heads, head_dim] contiguous, q's dtype or fp8 (float8_e4m3fn: keys / k_scale and
+    values / v_scale stored). Positions and slots are not range-checked (that would need a
+    device sync).
     """
     num_tokens, num_heads, head_dim = q.shape
     assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (
@@ -162,7 +173,9 @@ def apply_rotary_and_write_kv(
     assert kv_cache.shape[3:] == k.shape[1:], (
         f"kv_cache heads {tuple(kv_cache.shape[3:])} != k heads {tuple(k.shape[1:])}"
     )
-    assert q.dtype == k.dtype == v.dtype == kv_cache.dtype, "q, k, v and the cache differ"
+    assert q.dtype == k.dtype == v.dtype, "q, k and v dtypes differ"
+    assert kv_cache.dtype in (q.dtype, FP8_KV_DTYPE), f"cache {kv_cache.dtype}, q {q.dtype}"
+    check_kv_scales(kv_cache, k_scale, v_scale)
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype}"
     devices = {t.device for t in (q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping)}
     assert len(devices) == 1, f"tensors on {devices}"
@@ -174,5 +187,5 @@ def apply_rotary_and_write_kv(
     _rotary_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, kv_cache[0], kv_cache[1], slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        num_heads, k.shape[1], **_launch_options(q, k, use_pdl),
+        num_heads, k.shape[1], 1.0 / k_scale, 1.0 / v_scale, **_launch_options(q, k, use_pdl),
     )  # fmt: skip

@@ -22,6 +22,7 @@ from lantau.kernels.attention_tiles import (
     LOG2E,
     MIN_BLOCK_M,
     attend_tile,
+    check_kv_scales,
     check_paged_inputs,
     dot_precision,
     kv_strides,
@@ -62,7 +63,8 @@ def _unified_attention_kernel(
     seq_lens_ptr,  # [num_reqs] int32
     block_tables_ptr,  # [num_reqs, max_blocks] int32
     num_reqs,
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * log2(e) * k_scale (1 but for an fp8 cache)
+    v_scale,  # 1 but for an fp8 cache
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -126,7 +128,7 @@ def _unified_attention_kernel(
         )  # fmt: skip
 
     # a request with no keys (seq_len 0: padding) writes zeros rather than 0 / 0
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
     o_offs = token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -152,6 +154,8 @@ def unified_attention(
     max_seq_len: int,
     scale: float,
     tile: tuple[int, int, int, int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Causal attention of each request's query rows over its cached context, into out.
 
@@ -159,12 +163,14 @@ def unified_attention(
     query_start_loc[-1] (padding) are not written. query_start_loc[0] must be 0.
     max_query_len / max_seq_len may be upper bounds: they only choose the tile shape.
     `tile` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default (for tuning).
+    An fp8 cache (float8_e4m3fn) holds keys / k_scale and values / v_scale.
     """
     # q, out: [num_tokens, num_heads, head_dim]
     # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
     # query_start_loc: [num_reqs + 1] int32; seq_lens: [num_reqs] int32
     # block_tables: [num_reqs, max_blocks] int32
     check_paged_inputs(q, kv_cache, out, seq_lens, block_tables, max_seq_len)
+    check_kv_scales(kv_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
     assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32, (
@@ -197,7 +203,8 @@ def unified_attention(
         seq_lens,
         block_tables,
         num_reqs,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),

@@ -84,7 +84,20 @@ class LaunchedStep:
     greedy_ids: torch.Tensor | None = None
 
 
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's ("auto") or e4m3 ("fp8", one byte: twice a
+    bf16 cache's tokens in the same memory). NOTE: the fp8 cache's scales are per tensor and
+    fixed at 1.0 (the kernels' default k_scale / v_scale), vLLM's default without calibrated
+    scales. e4m3's error is relative (3 mantissa bits) from 2^-6 to 448, so a scale only
+    moves which values fall below 2^-6 or past 448: on SmolLM2 (keys up to ~16, values up to
+    ~11) per-layer amax / 448 scales left each layer's K and V error at 2.5-2.7 % against
+    2.4-2.9 % at 1.0 (docs/fp8-kv.md), not worth a calibration pass, or scales fixed by a
+    first prefill that a later request's larger keys would clip against."""
+    return torch.float8_e4m3fn if config.cache.kv_cache_dtype == "fp8" else model_dtype
+
+
 def kv_cache_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
+    """Bytes of one block of every layer's keys and values in a cache of `dtype`."""
     m = config.model_config
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * m.num_hidden_layers * config.cache.block_size * m.kv_size * elem
@@ -135,7 +148,8 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = config.cache.block_size
-        self.kv_caches = allocate_kv_caches(config, num_blocks, model.lm_head.weight.dtype, device)
+        cache_dtype = kv_cache_dtype(config, model.lm_head.weight.dtype)
+        self.kv_caches = allocate_kv_caches(config, num_blocks, cache_dtype, device)
         self.states: dict[str, CachedRequestState] = {}
         max_blocks = cdiv(config.scheduler.max_model_len, self.block_size)
         self.block_table = BlockTable(config.scheduler.max_num_seqs, max_blocks)
@@ -165,8 +179,8 @@ class ModelRunner:
         """KV blocks that fit the memory budget once the weights and the peak of a worst-case
         step (profile_inputs) with its sampling are counted; that step runs on a throwaway
         runner whose own KV cache is not counted."""
-        dtype = model.lm_head.weight.dtype
-        per_block = kv_cache_bytes_per_block(config, dtype)
+        cache_dtype = kv_cache_dtype(config, model.lm_head.weight.dtype)
+        per_block = kv_cache_bytes_per_block(config, cache_dtype)
         device = torch.device(config.device)
         if device.type != "cuda":
             return max(config.cache.cpu_kv_cache_bytes // per_block, 0)

@@ -133,6 +133,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState | None 
             ready=is_ready(),
             draining=state.draining,
             num_kv_blocks=engine.num_blocks,
+            kv_cache_dtype=engine.config.cache.kv_cache_dtype,
             num_in_flight=len(engine.queues),
             engine_pid=engine.process.pid,
             model=config.served_model_name,
@@ -287,7 +288,9 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
     watcher = asyncio.create_task(watch_engine())
     print(
         f"lantau serving {config.served_model_name} on http://{config.host}:{config.port} "
-        f"(ready in {describe_startup(engine.startup_s)})",
+        f"(ready in {describe_startup(engine.startup_s)}; KV cache "
+        f"{engine.num_blocks * engine.config.cache.block_size:,} tokens, "
+        f"{engine.config.cache.kv_cache_dtype})",
         flush=True,
     )
     await server.serve()
