@@ -24,11 +24,14 @@ from tests.conftest import hf_greedy
 def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_keys):
     """short_keys: decode attention's short-context tile (KernelConfig.attn_short_tile) on, so
     that batches whose contexts all fit in 26 keys run the short-context graphs (contexts here
-    run from 5 to 29 keys); 0: off."""
+    run from 5 to 29 keys); 0: off. The batch-1 GEMV is off: the graphs' staging is the
+    question here (the GEMV has its own tests), and it was two thirds of this test's time."""
     llm = LLM(
         str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=128, max_num_seqs=8,
         attention_backend="triton",
-        kernels=KernelConfig(attn_short_tile=(8, 4, 1), attn_short_keys=short_keys),
+        kernels=KernelConfig(
+            attn_short_tile=(8, 4, 1), attn_short_keys=short_keys, enable_gemv=False
+        ),
     )  # fmt: skip
     runner = llm.engine.core.runner
     ops = runner.model.ops
