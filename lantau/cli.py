@@ -9,8 +9,13 @@ import sys
 from lantau.config import KV_CACHE_DTYPES
 from lantau.request import SamplingParams
 
+# lantau serve's: an arriving prompt stalls the running streams for steps of at most this many
+# tokens, which bounds their inter-token latency at a small cost in time to first token
+# (RESULTS.md: W1-16-itl-p95); offline runs want whole prompts (0)
+SERVE_LONG_PREFILL_TOKENS = 256
 
-def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
+
+def _add_scheduling_args(p: argparse.ArgumentParser, long_prefill_tokens: int = 0) -> None:
     p.add_argument(
         "--scheduling-policy",
         default="max_utilization",
@@ -20,7 +25,7 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        default=0,
+        default=long_prefill_tokens,
         help="longer prompts run in equal chunks of at most this many tokens a step (0: off)",
     )
     p.add_argument(
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         help="tokens a step may compute (chunked prefill's budget; default 4096)",
     )
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    _add_scheduling_args(p)
+    _add_scheduling_args(p, long_prefill_tokens=SERVE_LONG_PREFILL_TOKENS)
     p.add_argument("--max-pending-requests", type=int, default=1024, help="then 429")
     p.add_argument("--max-pending-tokens", type=int, default=1 << 20, help="then 429")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
