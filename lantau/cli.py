@@ -1,4 +1,5 @@
-"""The `lantau` command: `chat` (a model in the terminal), `serve`, `bench offline`,
+"""The `lantau` command: `chat` (a model in the terminal), `serve`, `build` (an engine
+folder), `rollback` (a served model's version), `bench offline`,
 `bench serve` and `bench sweep` (a load generator against a running server)."""
 
 from __future__ import annotations
@@ -133,6 +134,29 @@ def serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(engine_args, config))
 
 
+def build(args: argparse.Namespace) -> int:
+    import time
+
+    from lantau.errors import ModelLoadError
+    from lantau.model.manifest import check_dtype_available
+
+    started = time.perf_counter()
+    try:
+        check_dtype_available(args.dtype)  # before torch loads: fp8 is refused at once
+        from lantau.model.build import build_engine
+
+        manifest = build_engine(args.src, args.out, dtype=args.dtype, seed=args.seed,
+                                device=args.device)  # fmt: skip
+    except (ModelLoadError, OSError, ValueError) as e:
+        print(f"lantau build: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"lantau build: {args.out}: {len(manifest.shards)} shard(s), {manifest.dtype}, "
+        f"fingerprint {manifest.fingerprint[:12]} ({time.perf_counter() - started:.1f} s)"
+    )
+    return 0
+
+
 def bench(args: argparse.Namespace) -> int:
     import json
 
@@ -249,6 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     _add_observability_args(p)
     p.set_defaults(func=serve)
+
+    p = sub.add_parser("build", help="an engine folder (REPO/NAME/VERSION) from a model")
+    p.add_argument("src", help="HF folder, .gguf file or random:NAME")
+    p.add_argument("--out", required=True, help="the engine folder, e.g. REPO/NAME/VERSION")
+    p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8")
+    p.add_argument("--seed", type=int, default=0, help="random weights' seed")
+    p.add_argument("--device", default="auto", help="where the model is built (auto: CUDA)")
+    p.set_defaults(func=build)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)
     p = b.add_parser("offline", help="the in-process engine on a standard workload")
