@@ -66,6 +66,12 @@ class Manifest:
     def is_random_weights(self) -> bool:
         return self.source.startswith("random:")
 
+    @property
+    def tokenizer_digest(self) -> str:
+        """One sha256 over the tokenizer files' own: equal digests, the same tokenizer."""
+        files = sorted((n, e["sha256"]) for n, e in self.files.items() if n not in self.shards)
+        return hashlib.sha256(json.dumps(files).encode()).hexdigest()
+
     def to_json(self) -> dict:
         data = dataclasses.asdict(self)
         data["tensors"] = {n: [list(t.shape), t.dtype] for n, t in self.tensors.items()}

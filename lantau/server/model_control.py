@@ -132,6 +132,8 @@ class RepoModel(ServedModel):
         self.pinned: int | None = None  # a rollback's version (until an explicit load)
         self.rejected: set[int] = set()  # versions failed or rolled back (not re-polled)
         self.last_engine: AsyncLLM | None = None  # for the tokenizer while none is primary
+        # (digest of its files, tokenizer): a version with the same files reuses it
+        self.tokenizer: tuple[str, object] | None = None
 
     @property
     def engine(self) -> AsyncLLM:
@@ -370,7 +372,7 @@ class ModelManager(ModelRouter):
             from_version = model.primary.version if model.primary else None
             for version in list(model.loaded):
                 await self._stop(model, version)
-            model.last_engine = None  # its tokenizer goes too: the model is gone (404)
+            model.last_engine = model.tokenizer = None  # its tokenizer goes too (404)
             self._record(model, "unload", from_version, None)
         finally:
             model.busy = None
@@ -518,19 +520,24 @@ class ModelManager(ModelRouter):
         started: dict[int, VersionEngine] = {}
         try:
             for version in versions:
-                engine = await self._start_engine(model.name, config, version)
+                engine = await self._start_engine(model, config, version)
                 started[version] = VersionEngine(version, engine)
         except LoadFailed:
             await asyncio.gather(*(ve.engine.shutdown() for ve in started.values()))
             raise
         return started
 
-    async def _start_engine(self, name: str, config: RepoModelConfig, version: int) -> AsyncLLM:
+    async def _start_engine(
+        self, model: RepoModel, config: RepoModelConfig, version: int
+    ) -> AsyncLLM:
         """A version's engine core started, warmed up and, unless turned off, answering a
-        canary request; LoadFailed otherwise (its process stopped)."""
+        canary request; LoadFailed otherwise (its process stopped). The tokenizer loads
+        while the core starts, unless the last version's has the same files."""
         from lantau.engine.args import build_engine_config
+        from lantau.model.manifest import read_manifest
         from lantau.model.source import load_tokenizer
 
+        name = model.name
         folder = self.repo.model_dir(name) / str(version)
         args = {**self.engine_args, **config.engine_args}
         if config.max_num_seqs is not None:
@@ -542,8 +549,10 @@ class ModelManager(ModelRouter):
             engine_config, source = await asyncio.to_thread(
                 build_engine_config, str(folder), **args
             )
+            digest = read_manifest(folder).tokenizer_digest
         except (ModelLoadError, ValueError, OSError) as e:
             raise LoadFailed(str(e)) from None
+        reused = model.tokenizer[1] if model.tokenizer and model.tokenizer[0] == digest else None
         engine = AsyncLLM(
             engine_config,
             source,
@@ -554,7 +563,12 @@ class ModelManager(ModelRouter):
             metrics=self.metrics,
         )
         try:
-            await engine.start(tokenizer=asyncio.to_thread(load_tokenizer, source))
+            if reused is not None:
+                engine.set_tokenizer(reused)
+                await engine.start()
+            else:
+                await engine.start(tokenizer=asyncio.to_thread(load_tokenizer, source))
+                model.tokenizer = (digest, engine.tokenizer)
             if config.warmup_canary:
                 await asyncio.wait_for(_canary_request(engine), CANARY_TIMEOUT_S)
         except Exception as e:
@@ -590,12 +604,13 @@ class ModelManager(ModelRouter):
 
     async def _judge_canary(self, model: RepoModel, config, to_stop: list[int]) -> None:
         canary, baseline, policy = model.canary, model.primary, config.canary
-        verdict = "cancelled (rollback asked)"
+        verdict, figures = "cancelled (rollback asked)", ""
         try:
             while canary.window.num_done < policy.num_requests:
                 canary.window.changed.clear()
                 await canary.window.changed.wait()
             verdict = judge_canary(canary.window, baseline.window, policy)
+            figures = describe_windows(canary.window, baseline.window)
         except asyncio.CancelledError:
             pass
         finally:
@@ -605,7 +620,7 @@ class ModelManager(ModelRouter):
             model.busy = None
         if verdict is None:
             model.set_primary(canary)
-            self._record(model, "promote", baseline.version, canary.version)
+            self._record(model, "promote", baseline.version, canary.version, figures)
             for version in to_stop:
                 await self._stop(model, version)
         else:
@@ -642,6 +657,14 @@ def judge_canary(canary: Window, baseline: Window, policy) -> str | None:
                 f"{old * 1000:.0f} ms"
             )
     return None
+
+
+def describe_windows(canary: Window, baseline: Window) -> str:
+    def one(w: Window) -> str:
+        p95 = f"P95 {w.p95() * 1000:.0f} ms" if w.latencies_s else "no P95"
+        return f"{p95}, {w.num_errors}/{w.num_done} failed"
+
+    return f"canary {one(canary)}; previous {one(baseline)}"
 
 
 def _is_out_of_memory(message: str) -> bool:
