@@ -47,6 +47,8 @@ def load_engine_weights(
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
     num_threads = num_threads or min(len(manifest.shards), os.cpu_count() or 1, 16)
+    if device.type == "cuda":  # NOTE: the parameters' init kernels end before copies overwrite
+        torch.cuda.synchronize(device)
     local = threading.local()  # each thread's staging buffer and stream (CUDA)
 
     def load(shard: str) -> None:

@@ -183,6 +183,8 @@ class RepoModel(ServedModel):
         return self.primary
 
     async def generate(self, request_id, prompt, params, priority=0, version=""):
+        if not priority and self.config is not None:  # dynamic_batching.default_priority_level
+            priority = self.config.default_priority
         ve = await self.pick(version)
         ve.acquire()
         started, latency_s, failed = time.monotonic(), None, False
