@@ -457,6 +457,8 @@ class ModelManager(ModelRouter):
         to_start = [v for v in target if v not in model.loaded]
         to_stop = [v for v in model.loaded if v not in target]
         previous = model.primary.version if model.primary else None
+        if not to_start and not to_stop and previous == target[0]:
+            return  # already serving exactly these: nothing moves
         drain_first = config.swap == "drain_first" and to_start and to_stop
         if not drain_first:
             try:
