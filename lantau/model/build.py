@@ -5,6 +5,7 @@ the tokenizer files, and the manifest (lantau/model/manifest.py), written last."
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from lantau.errors import ModelLoadError
-from lantau.model.engine_loader import tensor_specs
+from lantau.model.engine_loader import engine_tensors, tensor_specs
 from lantau.model.loader import build_model
 from lantau.model.manifest import (
     ENGINE_FORMAT,
@@ -65,9 +66,12 @@ def build_engine(
         )
     source = resolve_model_source(src)
     config = read_model_config(source)
+    torch_dtype = torch.bfloat16 if stored_dtype == "fp8" else getattr(torch, stored_dtype)
+    if stored_dtype == "fp8":  # NOTE: reached once check_dtype_available lets fp8 through
+        config = dataclasses.replace(config, quantization="fp8")  # e4m3 linears, bf16 rest
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(source, config, getattr(torch, stored_dtype), torch.device(device), seed)
+    model = build_model(source, config, torch_dtype, torch.device(device), seed)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors"):  # an earlier build that did not finish
         stale.unlink()
@@ -101,7 +105,7 @@ def _write_shards(model: torch.nn.Module, out: Path, max_shard_bytes: int) -> li
 
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
-    for name, param in model.named_parameters():  # a tied parameter appears once
+    for name, param in engine_tensors(model).items():  # a tied parameter appears once
         nbytes = param.numel() * param.element_size()
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])

@@ -22,14 +22,25 @@ from lantau.errors import ModelLoadError
 from lantau.model.manifest import Manifest, TensorSpec, check_layout
 
 STAGING_BYTES = 64 << 20  # per thread, pinned, on CUDA
-SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "fp8"}
+
+
+def engine_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What an engine folder stores: every parameter (a tied one once) and persistent buffer
+    (fp8 scales, should a quantized model keep them as buffers)."""
+    tensors = dict(model.named_parameters())
+    for name, buffer in model.named_buffers():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        if leaf not in module._non_persistent_buffers_set:
+            tensors[name] = buffer
+    return tensors
 
 
 def tensor_specs(model: torch.nn.Module) -> dict[str, TensorSpec]:
-    """The model's parameters as an engine folder stores them (a tied one once)."""
+    """The model's tensors as an engine folder stores them."""
     return {
-        name: TensorSpec(tuple(p.shape), str(p.dtype).removeprefix("torch."))
-        for name, p in model.named_parameters()
+        name: TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for name, t in engine_tensors(model).items()
     }
 
 
@@ -44,7 +55,7 @@ def load_engine_weights(
     """Fill every parameter of `model` from the folder's shards (ModelLoadError on any
     mismatch: layout, size, checksum)."""
     check_layout(folder, manifest, tensor_specs(model))
-    params = dict(model.named_parameters())
+    params = engine_tensors(model)
     device = next(iter(params.values())).device
     num_threads = num_threads or min(len(manifest.shards), os.cpu_count() or 1, 16)
     if device.type == "cuda":  # NOTE: the parameters' init kernels end before copies overwrite
