@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import psutil
 import pytest
@@ -171,6 +172,13 @@ def test_tritonclient_repository_calls(server):
     assert grpc.get_model_metadata("tiny").versions == ["1"]
     ready = httpx.post(f"{server.base}/v2/repository/index", json={"ready": True}).json()
     assert [m["name"] for m in ready] == ["tiny"]
+    # KServe inference names the version that served it; an unloaded version is NOT_FOUND
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Hello"], dtype=object))
+    result = grpc.infer("tiny", [text], model_version="1")
+    assert result.get_response().model_version == "1"
+    with pytest.raises(InferenceServerException, match="unknown model: 'tiny' version 7"):
+        grpc.infer("tiny", [text], model_version="7")
     server.baseline_rss_mb = rss_mb(server.proc.pid)  # the frontend, model loaded
 
 

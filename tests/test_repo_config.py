@@ -80,3 +80,36 @@ def test_bad_fields_are_named(text, field):
     with pytest.raises(ModelConfigError, match="llama/config.pbtxt: ") as e:
         parse(text)
     assert field in str(e.value)
+
+
+def test_canary_verdicts():
+    from lantau.server.model_control import Window, judge_canary
+    from lantau.server.repo_config import CanaryPolicy
+
+    policy = CanaryPolicy(share=0.5, num_requests=4, p95_ratio=2.0, max_error_rate=0.25)
+    fast, slow = Window([0.1, 0.1, 0.12, 0.1]), Window([0.3, 0.31, 0.29, 0.3])
+    assert judge_canary(Window([0.1, 0.15, 0.1, 0.12]), fast, policy) is None
+    assert "P95 310 ms > 2 x the previous version's 120 ms" in judge_canary(slow, fast, policy)
+    assert "error rate 50%" in judge_canary(Window([0.1, 0.1], num_errors=2), fast, policy)
+
+
+def test_serve_flags(tmp_path):
+    """`lantau serve REPO` is a repository; the control flags need one and agree."""
+    import argparse
+
+    from lantau.cli import _repository_options
+
+    (tmp_path / "llama" / "1").mkdir(parents=True)
+
+    def options(model=None, repo=None, mode=None, load=None):
+        return _repository_options(argparse.Namespace(
+            model=model, model_repository=repo, model_control_mode=mode, load_model=load,
+            repository_poll_secs=15.0,
+        ))  # fmt: skip
+
+    assert options(model=str(tmp_path)).control_mode == "none"
+    explicit = options(repo=str(tmp_path), mode="explicit", load=["llama"])
+    assert explicit.load_models == ("llama",)
+    assert "needs --model-control-mode explicit" in options(repo=str(tmp_path), load=["llama"])
+    assert "need --model-repository" in options(model="random:tiny", mode="poll")
+    assert "no such folder" in options(repo=str(tmp_path / "nope"))
