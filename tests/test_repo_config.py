@@ -113,3 +113,33 @@ def test_serve_flags(tmp_path):
     assert "needs --model-control-mode explicit" in options(repo=str(tmp_path), load=["llama"])
     assert "need --model-repository" in options(model="random:tiny", mode="poll")
     assert "no such folder" in options(repo=str(tmp_path / "nope"))
+
+
+def test_canary_window_ends_on_time():
+    """A canary phase without traffic is judged when canary_window_s passes (no verdict
+    against it: promoted)."""
+    import asyncio
+
+    from lantau.server.model_control import ModelManager, RepoModel, VersionEngine
+    from lantau.server.repo_config import CanaryPolicy, RepoModelConfig
+
+    class Manager(ModelManager):
+        def __init__(self) -> None:  # no repository, no engines: the judging alone
+            import collections
+
+            self.transitions = collections.Counter()
+
+    async def run() -> RepoModel:
+        model = RepoModel("m")
+        old, new = VersionEngine(1, object()), VersionEngine(2, object())
+        model.loaded = {1: old, 2: new}
+        model.set_primary(old)
+        config = RepoModelConfig("m", canary=CanaryPolicy(share=0.5, window_s=0.05))
+        manager = Manager()
+        manager._begin_canary(model, config, new, to_stop=[])
+        await model.canary_task
+        return model, manager
+
+    model, manager = asyncio.run(run())
+    assert model.primary.version == 2 and model.canary is None and model.busy is None
+    assert manager.transitions[("m", "promote", "1", "2")] == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import time
@@ -609,10 +610,15 @@ class ModelManager(ModelRouter):
     async def _judge_canary(self, model: RepoModel, config, to_stop: list[int]) -> None:
         canary, baseline, policy = model.canary, model.primary, config.canary
         verdict, figures = "cancelled (rollback asked)", ""
+        deadline = time.monotonic() + policy.window_s
         try:
             while canary.window.num_done < policy.num_requests:
                 canary.window.changed.clear()
-                await canary.window.changed.wait()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break  # the window's time is up: judged on what it saw
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(canary.window.changed.wait(), remaining)
             verdict = judge_canary(canary.window, baseline.window, policy)
             figures = describe_windows(canary.window, baseline.window)
         except asyncio.CancelledError:

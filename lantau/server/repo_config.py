@@ -82,12 +82,13 @@ class VersionPolicy:
 @dataclass(frozen=True)
 class CanaryPolicy:
     """After a swap, the new version takes `share` of the traffic until it has served
-    `num_requests`; it is rolled back if its P95 latency passes `p95_ratio` times the
-    previous version's over the same window, or its error rate passes `max_error_rate`.
-    share 0: no canary phase, traffic moves at once."""
+    `num_requests` (or `window_s` passed); it is rolled back if its P95 latency passes
+    `p95_ratio` times the previous version's over the same window, or its error rate passes
+    `max_error_rate`. share 0: no canary phase, traffic moves at once."""
 
     share: float = 0.0
     num_requests: int = 20
+    window_s: float = 300.0
     p95_ratio: float = 2.0
     max_error_rate: float = 0.05
 
@@ -263,6 +264,7 @@ CONTROL_PARAMETERS = {
     "warmup_canary": _bool,
     "canary_share": _share,
     "canary_requests": _positive_int,
+    "canary_window_s": _ratio,
     "canary_p95_ratio": _ratio,
     "canary_max_error_rate": _share,
 }
@@ -284,6 +286,7 @@ def _parameters(msg, path) -> dict:
     canary = CanaryPolicy(
         share=control.get("canary_share", 0.0),
         num_requests=control.get("canary_requests", 20),
+        window_s=control.get("canary_window_s", 300.0),
         p95_ratio=control.get("canary_p95_ratio", 2.0),
         max_error_rate=control.get("canary_max_error_rate", 0.05),
     )
