@@ -167,12 +167,17 @@ device = torch.device(sys.argv[2])
 if device.type == "cuda":
     torch.cuda.init(); torch.empty(1, device=device); torch.cuda.synchronize()
 import transformers
-start = time.perf_counter()
-model = transformers.AutoModelForCausalLM.from_pretrained(
-    sys.argv[1], dtype=torch.bfloat16, device_map=str(device), local_files_only=True)
+start, how = time.perf_counter(), "device_map"
+try:  # straight to the device where HF can (device_map needs accelerate)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        sys.argv[1], dtype=torch.bfloat16, device_map=str(device), local_files_only=True)
+except (ImportError, ValueError):
+    start, how = time.perf_counter(), "to(device)"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        sys.argv[1], dtype=torch.bfloat16, local_files_only=True).to(device)
 if device.type == "cuda":
     torch.cuda.synchronize()
-print(json.dumps({"seconds": time.perf_counter() - start,
+print(json.dumps({"seconds": time.perf_counter() - start, "how": how,
                   "device_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
 """
 
