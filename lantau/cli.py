@@ -1,4 +1,5 @@
-"""The `lantau` command: `chat` (a model in the terminal), `serve`, `bench offline`,
+"""The `lantau` command: `chat` (a model in the terminal), `serve`, `build` (an engine
+folder), `rollback` (a served model's version), `bench offline`,
 `bench serve` and `bench sweep` (a load generator against a running server)."""
 
 from __future__ import annotations
@@ -133,6 +134,10 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"lantau serve: {e}", file=sys.stderr)
         return 2
+    repository = _repository_options(args)
+    if isinstance(repository, str):
+        print(f"lantau serve: {repository}", file=sys.stderr)
+        return 2
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -169,7 +174,95 @@ def serve(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(serve(engine_args, config))
+    return asyncio.run(serve(engine_args, config, repository))
+
+
+def _repository_options(args: argparse.Namespace):
+    """RepositoryOptions for --model-repository (or a MODEL that is a repository folder),
+    None for a fixed model, or an error message."""
+    from pathlib import Path
+
+    from lantau.server.repository import is_repository
+
+    path = args.model_repository
+    if (
+        path is None
+        and args.model
+        and Path(args.model).is_dir()
+        and is_repository(Path(args.model))
+    ):
+        path = args.model
+    if path is None:
+        if args.load_model or args.model_control_mode:
+            return "--load-model and --model-control-mode need --model-repository"
+        return None
+    if args.model and args.model_repository:
+        return "give a MODEL or --model-repository, not both"
+    from lantau.server.model_control import RepositoryOptions
+
+    if not Path(path).is_dir():
+        return f"--model-repository: {path}: no such folder"
+    mode = args.model_control_mode or "none"
+    if args.load_model and mode != "explicit":
+        return "--load-model needs --model-control-mode explicit"
+    return RepositoryOptions(
+        path=Path(path),
+        control_mode=mode,
+        load_models=tuple(args.load_model or ()),
+        poll_secs=args.repository_poll_secs,
+    )
+
+
+def build(args: argparse.Namespace) -> int:
+    import time
+
+    from lantau.errors import ModelLoadError
+    from lantau.model.manifest import check_dtype_available
+
+    started = time.perf_counter()
+    try:
+        check_dtype_available(args.dtype)  # before torch loads: fp8 is refused at once
+        from lantau.model.build import build_engine
+
+        manifest = build_engine(args.src, args.out, dtype=args.dtype, seed=args.seed,
+                                device=args.device)  # fmt: skip
+    except (ModelLoadError, OSError, ValueError) as e:
+        print(f"lantau build: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"lantau build: {args.out}: {len(manifest.shards)} shard(s), {manifest.dtype}, "
+        f"fingerprint {manifest.fingerprint[:12]} ({time.perf_counter() - started:.1f} s)"
+    )
+    return 0
+
+
+def rollback(args: argparse.Namespace) -> int:
+    """POST /v2/repository/models/NAME/rollback on a running server."""
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    body = json.dumps({"version": args.to} if args.to else {}).encode()
+    name = urllib.parse.quote(args.name, safe="")
+    request = urllib.request.Request(
+        f"{args.url.rstrip('/')}/v2/repository/models/{name}/rollback",
+        data=body,
+        headers={"content-type": "application/json",
+                 **({"x-api-key": args.api_key} if args.api_key else {})},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            served = json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")
+        print(f"lantau rollback: {e.code}: {detail}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as e:
+        print(f"lantau rollback: {args.url}: {e}", file=sys.stderr)
+        return 1
+    print(f"lantau rollback: {served['name']} now serves version {served['version']}")
+    return 0
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -263,6 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001, help="0: no gRPC server")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--model-repository", default=None, help="a Triton-style repository: REPO/NAME/VERSION"
+    )
+    p.add_argument(
+        "--model-control-mode", choices=["none", "poll", "explicit"], default=None,
+        help="none (default): all loaded at start; poll: rescanned; explicit: the load API",
+    )  # fmt: skip
+    p.add_argument("--load-model", action="append", help="explicit mode: load at start")
+    p.add_argument("--repository-poll-secs", type=float, default=15.0, help="poll mode")
     p.add_argument("--api-key", action="append", help="repeat for several keys")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument(
@@ -288,6 +390,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     _add_observability_args(p)
     p.set_defaults(func=serve)
+
+    p = sub.add_parser("build", help="an engine folder (REPO/NAME/VERSION) from a model")
+    p.add_argument("src", help="HF folder, .gguf file or random:NAME")
+    p.add_argument("--out", required=True, help="the engine folder, e.g. REPO/NAME/VERSION")
+    p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8")
+    p.add_argument("--seed", type=int, default=0, help="random weights' seed")
+    p.add_argument("--device", default="auto", help="where the model is built (auto: CUDA)")
+    p.set_defaults(func=build)
+
+    p = sub.add_parser("rollback", help="a served model back to an earlier version")
+    p.add_argument("name", help="the repository model's name")
+    p.add_argument("--to", default=None, help="the version (default: the one served before)")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds")
+    p.set_defaults(func=rollback)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)
     p = b.add_parser("offline", help="the in-process engine on a standard workload")

@@ -21,7 +21,9 @@ TEST_STEP_DELAY_FILE = "LANTAU_TEST_STEP_DELAY_FILE"
 
 def test_step_delay_file() -> str | None:
     """LANTAU_TEST_STEP_DELAY_FILE (tests only): a file holding seconds the engine core sleeps
-    after each step, re-read as it changes (the monitoring test slows the server with it)."""
+    after each step, re-read as it changes (the monitoring test slows the server with it), or
+    lines `MODEL_SUFFIX SECONDS` slowing only the cores whose model path ends so (one version
+    of a repository model, in the repository tests)."""
     return os.environ.get(TEST_STEP_DELAY_FILE) or None
 
 

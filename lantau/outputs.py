@@ -31,3 +31,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finished: bool = False
+    model_version: str | None = None  # the version that served it (a model repository's)

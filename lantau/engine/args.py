@@ -8,6 +8,7 @@ import dataclasses
 
 from lantau import envs
 from lantau.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
+from lantau.model.manifest import check_dtype_available
 from lantau.model.source import ModelSource, read_model_config, resolve_model_source
 
 # "fp8": bfloat16 activations, e4m3 weights in every decoder linear layer
@@ -53,6 +54,8 @@ def build_engine_config(
         raise ValueError("tensor_parallel_size: only 1 is supported so far")
     source = resolve_model_source(model)
     model_config = read_model_config(source)
+    if source.kind == "engine":
+        dtype = engine_folder_dtype(source, dtype_name(dtype))
     max_len = min(max_model_len or model_config.max_position_embeddings, 1 << 20)
     if max_len > model_config.max_position_embeddings:
         raise ValueError(
@@ -95,6 +98,22 @@ def build_engine_config(
         ),
     )
     return config, source
+
+
+def engine_folder_dtype(source: ModelSource, dtype: str) -> str:
+    """An engine folder runs in the dtype it was built in: "auto" is that one, another is
+    an error saying what to do."""
+    from lantau.model.manifest import read_manifest
+
+    built = read_manifest(source.path).dtype
+    if built == "fp8":
+        check_dtype_available("fp8")  # NOTE: refused until FP8 weights land, in one place
+    if dtype not in ("auto", built):
+        raise ValueError(
+            f"dtype: {source.name} was built as {built}; serve it with --dtype auto (or "
+            f"{built}), or rebuild it with `lantau build --dtype`"
+        )
+    return built
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -54,15 +54,24 @@ class StepClock:
 
 
 class StepDelay:
-    """The test-only step delay (envs.test_step_delay_file); None of it exists unless set."""
+    """The test-only step delay (envs.test_step_delay_file); None of it exists unless set.
+    The file holds seconds, or lines `MODEL_SUFFIX SECONDS`: only a core whose model path
+    ends with MODEL_SUFFIX sleeps (one slow version of a repository's model)."""
 
-    def __init__(self, path: str) -> None:
-        self.path, self.seconds, self.read_at = path, 0.0, 0.0
+    def __init__(self, path: str, model: str = "") -> None:
+        self.path, self.model, self.seconds, self.read_at = path, model, 0.0, 0.0
 
     @classmethod
-    def from_env(cls) -> StepDelay | None:
+    def from_env(cls, model: str = "") -> StepDelay | None:
         path = envs.test_step_delay_file()
-        return cls(path) if path else None
+        return cls(path, model) if path else None
+
+    def _parse(self, text: str) -> float:
+        for line in text.strip().splitlines():
+            suffix, _, seconds = line.strip().rpartition(" ")
+            if not suffix or self.model.rstrip("/").endswith(suffix):
+                return float(seconds or 0)
+        return 0.0
 
     def sleep(self) -> None:
         now = time.monotonic()
@@ -70,7 +79,7 @@ class StepDelay:
             self.read_at = now
             try:
                 with open(self.path) as f:
-                    self.seconds = float(f.read().strip() or 0)
+                    self.seconds = self._parse(f.read())
             except (OSError, ValueError):
                 self.seconds = 0.0
         if self.seconds > 0:
@@ -137,7 +146,7 @@ def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock) -> None:
     """Take messages, step, send what the step produced (or a heartbeat), until orphaned."""
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(FrontendMessage)
-    clock, delay = StepClock(), StepDelay.from_env()
+    clock, delay = StepClock(), StepDelay.from_env(core.config.model)
     scheduled: dict[str, float] = {}  # first schedulings not sent yet
     last_sent = 0.0
     while os.getppid() == parent:

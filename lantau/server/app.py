@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,9 +19,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lantau.engine.async_llm import AsyncLLM
 from lantau.server.auth import is_authorized, presented_key
+from lantau.server.models import ModelRouter, SingleModelRouter
 from lantau.server.observability import RequestIdMiddleware
 from lantau.server.openai_api import error_response, json_response, make_openai_router
 from lantau.server.schemas import RequestLimits
+
+if TYPE_CHECKING:
+    from lantau.server.model_control import ModelManager
 
 logger = logging.getLogger(__name__)
 
@@ -88,24 +93,47 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM | ModelRouter,
+    config: ServerConfig,
+    state: ServerState | None = None,
+    control: ModelManager | None = None,
+) -> FastAPI:
+    """The app for one engine (`lantau serve MODEL`) or a router's models (a repository's,
+    `control` then its manager: the repository routes)."""
     app = FastAPI(title="lantau", docs_url=None, redoc_url=None)
     state = state or ServerState()
-    app.state.engine = engine
+    if isinstance(engine, ModelRouter):
+        router = engine
+    else:  # a fixed model: ready while its engine is, and the server is not draining
+        router = SingleModelRouter(
+            engine,
+            config.served_model_name,
+            lambda: not state.draining and engine.is_ready(config.ready_max_silence_s),
+        )
+    app.state.router = router
+
+    def default_engine() -> AsyncLLM | None:
+        served = router.get(None)
+        return None if served is None or not served.versions() else served.engine
 
     def is_ready() -> bool:
-        return not state.draining and engine.is_ready(config.ready_max_silence_s)
+        if state.draining:
+            return False
+        if control is not None:
+            return control.is_ready()
+        return router.get(None).is_ready()
 
     app.state.is_ready = is_ready  # the gRPC server answers to the same readiness
 
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys)
     app.add_middleware(DrainMiddleware, state=state)  # refuses before auth
-    metrics = getattr(engine, "metrics", None)  # None: disabled (or an engine without them)
+    metrics = control.metrics if control is not None else getattr(engine, "metrics", None)
     # outermost: refusals by the two above get an id, a count and a log line too
     app.add_middleware(RequestIdMiddleware, metrics=metrics, open_paths=OPEN_PATHS)
     if metrics is not None:
-        _add_metrics_route(app, engine)
+        _add_metrics_route(app, metrics, default_engine, control)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -127,42 +155,56 @@ def build_app(engine: AsyncLLM, config: ServerConfig, state: ServerState | None 
 
     @app.get("/status")
     async def status() -> Response:
-        """The engine's live state: for the web page and for tests."""
-        stats = dataclasses.asdict(engine.stats)
+        """The (default model's) engine's live state: for the web page and for tests."""
+        engine = default_engine()
+        stats = dataclasses.asdict(engine.stats) if engine is not None else {}
         stats.update(
             ready=is_ready(),
             draining=state.draining,
-            num_kv_blocks=engine.num_blocks,
-            kv_cache_dtype=engine.config.cache.kv_cache_dtype,
-            num_in_flight=len(engine.queues),
-            engine_pid=engine.process.pid,
-            model=config.served_model_name,
-            startup_s=engine.startup_s,
+            num_in_flight=router.num_in_flight(),
+            model=config.served_model_name
+            if control is None
+            else getattr(router.get(None), "name", None),
         )
+        if engine is not None:
+            stats.update(
+                num_kv_blocks=engine.num_blocks,
+                kv_cache_dtype=engine.config.cache.kv_cache_dtype,
+                engine_pid=engine.process.pid,
+                startup_s=engine.startup_s,
+            )
+        if control is not None:
+            stats["models"] = control.status()
         return json_response(stats)
 
-    app.include_router(
-        make_openai_router(engine, config.served_model_name, config.max_body_bytes, config.limits)
-    )
+    app.include_router(make_openai_router(router, None, config.max_body_bytes, config.limits))
     try:
         from lantau.server.kserve_http import make_kserve_router
     except ImportError:  # NOTE: the KServe routes land separately; OpenAI serves without them
         logger.warning("KServe v2 HTTP routes unavailable")
     else:
         app.include_router(
-            make_kserve_router(
-                engine, config.served_model_name, is_ready, max_body_bytes=config.max_body_bytes
-            )
+            make_kserve_router(router, None, is_ready, max_body_bytes=config.max_body_bytes)
         )
+    if control is not None:
+        from lantau.server.model_control import make_repository_router
+
+        app.include_router(make_repository_router(control))
     return app
 
 
-def _add_metrics_route(app: FastAPI, engine: AsyncLLM) -> None:
+def _add_metrics_route(app: FastAPI, metrics, default_engine, control) -> None:
     # NOTE: prometheus_client and NVML load only when metrics are on
+    from lantau.engine.protocol import StepStats
     from lantau.metrics.gpu import GpuReader
     from lantau.metrics.prometheus import CONTENT_TYPE_LATEST, MetricsExporter
 
-    exporter = MetricsExporter(engine.metrics, lambda: engine.stats, GpuReader.start())
+    def stats() -> StepStats:
+        engine = default_engine()
+        return engine.stats if engine is not None else StepStats()
+
+    extra = [control.collector()] if control is not None else []
+    exporter = MetricsExporter(metrics, stats, GpuReader.start(), extra)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -179,32 +221,32 @@ def _draining_server_class():
         requests aborted in the core) and the server exits. A second signal ends them at once.
         Signals are handled here, never re-raised: the caller still stops the engine core."""
 
-        def __init__(self, config, engine: AsyncLLM, state: ServerState, drain_timeout_s: float):
+        def __init__(self, config, router: ModelRouter, state: ServerState, drain_timeout_s: float):
             super().__init__(config)
-            self.engine, self.state, self.drain_timeout_s = engine, state, drain_timeout_s
+            self.router, self.state, self.drain_timeout_s = router, state, drain_timeout_s
             self._loop = asyncio.get_running_loop()
 
         def handle_exit(self, sig, frame) -> None:
             if self.state.draining:
-                logger.warning("second signal: ending %d requests now", len(self.engine.queues))
+                logger.warning("second signal: ending %d requests now", self.router.num_in_flight())
                 self._loop.call_soon_threadsafe(self._stop, "the server was stopped")
                 return
-            logger.info("draining %d requests (up to %.0f s)", len(self.engine.queues),
+            logger.info("draining %d requests (up to %.0f s)", self.router.num_in_flight(),
                         self.drain_timeout_s)  # fmt: skip
             self.state.draining = True
             self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
 
         async def _drain(self) -> None:
             deadline = self._loop.time() + self.drain_timeout_s
-            while self.engine.queues and self._loop.time() < deadline:
+            while self.router.num_in_flight() and self._loop.time() < deadline:
                 await asyncio.sleep(0.05)
             if not self.should_exit:
                 self._stop(f"the server's drain timeout ({self.drain_timeout_s:g} s) passed")
 
         def _stop(self, reason: str) -> None:
-            if self.engine.queues:
-                logger.warning("%s: ending %d requests", reason, len(self.engine.queues))
-                self.engine.fail_requests(f"server shutting down: {reason}")
+            if self.router.num_in_flight():
+                logger.warning("%s: ending %d requests", reason, self.router.num_in_flight())
+                self.router.fail_requests(f"server shutting down: {reason}")
             self.should_exit = True
 
     return DrainingServer
@@ -223,16 +265,12 @@ def describe_startup(stages: dict[str, float]) -> str:
     )
 
 
-async def serve(engine_args: dict, config: ServerConfig) -> int:
-    """Start the engine, serve until stopped; non-zero when the engine died under us."""
-    import uvicorn
-
+async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: float):
+    """`lantau serve MODEL`: one engine core, the tokenizer loading while it starts."""
     from lantau.engine.args import build_engine_config
     from lantau.metrics.stats import EngineMetrics, parse_buckets
     from lantau.model.source import load_tokenizer
-    from lantau.server.observability import enable_request_log
 
-    started = time.perf_counter()
     engine_config, source = build_engine_config(engine_args.pop("model"), **engine_args)
     metrics = None
     if config.enable_metrics:
@@ -241,8 +279,6 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
             engine_config.scheduler.max_model_len,
             parse_buckets(list(config.metrics_buckets)),
         )
-    if config.log_requests:
-        enable_request_log()
     startup = {"config": time.perf_counter() - started}
     engine = AsyncLLM(
         engine_config,
@@ -255,8 +291,61 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
     )
     await engine.start(tokenizer=asyncio.to_thread(load_tokenizer, source))
     engine.startup_s = {"total": time.perf_counter() - started, **startup, **engine.startup_s}
+    cache = engine.config.cache
+    kv = f"KV cache {engine.num_blocks * cache.block_size:,} tokens, {cache.kv_cache_dtype}"
+    return engine, (
+        config.served_model_name,
+        f"ready in {describe_startup(engine.startup_s)}; {kv}",
+    )
+
+
+async def _start_repository(engine_args: dict, config: ServerConfig, options, started: float):
+    """`lantau serve --model-repository REPO`: the models its control mode loads at start."""
+    from lantau.metrics.stats import EngineMetrics, parse_buckets
+    from lantau.server.model_control import ModelManager
+
+    engine_args.pop("model", None)
+    transitions = logging.getLogger("lantau.repository")  # every transition, on stderr
+    if not transitions.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        transitions.addHandler(handler)
+        transitions.setLevel(logging.INFO)
+    metrics = None
+    if config.enable_metrics:  # NOTE: one set of request figures for the whole repository
+        metrics = EngineMetrics(
+            options.path.name,
+            engine_args.get("max_model_len") or 4096,
+            parse_buckets(list(config.metrics_buckets)),
+        )
+    manager = ModelManager(options, engine_args, config, metrics)
+    await manager.start()
+    loaded = ", ".join(f"{n} v{manager.models[n].versions()[0]}" for n in manager.names())
+    took = time.perf_counter() - started
+    return manager, (
+        f"model repository {options.path}",
+        f"mode {options.control_mode}; loaded: {loaded or 'none'}; ready in {took:.1f} s",
+    )
+
+
+async def serve(engine_args: dict, config: ServerConfig, repository=None) -> int:
+    """Start the engine (or a repository's), serve until stopped; non-zero when a fixed
+    model's engine died under us. `repository`: model_control.RepositoryOptions."""
+    import uvicorn
+
+    from lantau.server.observability import enable_request_log
+
+    started = time.perf_counter()
+    if config.log_requests:
+        enable_request_log()
     state = ServerState()
-    app = build_app(engine, config, state)
+    if repository is None:
+        engine, banner = await _start_fixed_model(engine_args, config, started)
+        app, control, metrics = build_app(engine, config, state), None, engine.metrics
+    else:
+        control, banner = await _start_repository(engine_args, config, repository, started)
+        app, metrics = build_app(control, config, state, control), control.metrics
+    router: ModelRouter = app.state.router
     grpc_server = None
     if config.grpc_port:
         try:
@@ -265,9 +354,9 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
             logger.warning("KServe v2 gRPC server unavailable")
         else:
             grpc_server = await start_grpc_server(
-                engine, config.served_model_name, config.host, config.grpc_port,
+                router, None, config.host, config.grpc_port,
                 app.state.is_ready, api_keys=config.api_keys,
-                max_message_bytes=config.max_body_bytes,
+                max_message_bytes=config.max_body_bytes, control=control, metrics=metrics,
             )  # fmt: skip
     uvicorn_config = uvicorn.Config(
         app,
@@ -277,26 +366,21 @@ async def serve(engine_args: dict, config: ServerConfig) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,  # a connection still open after its request ended
     )
-    server = _draining_server_class()(uvicorn_config, engine, state, config.drain_timeout_s)
+    server = _draining_server_class()(uvicorn_config, router, state, config.drain_timeout_s)
 
     async def watch_engine() -> None:
-        while engine.dead is None:
+        while router.dead is None:
             await asyncio.sleep(0.5)
-        logger.error("engine core died (%s); shutting down", engine.dead)
+        logger.error("engine core died (%s); shutting down", router.dead)
         server.should_exit = True
 
     watcher = asyncio.create_task(watch_engine())
-    print(
-        f"lantau serving {config.served_model_name} on http://{config.host}:{config.port} "
-        f"(ready in {describe_startup(engine.startup_s)}; KV cache "
-        f"{engine.num_blocks * engine.config.cache.block_size:,} tokens, "
-        f"{engine.config.cache.kv_cache_dtype})",
-        flush=True,
-    )
+    what, detail = banner
+    print(f"lantau serving {what} on http://{config.host}:{config.port} ({detail})", flush=True)
     await server.serve()
     watcher.cancel()
     if grpc_server is not None:
         await grpc_server.stop(grace=1.0)
-    dead = engine.dead
-    await engine.shutdown()
+    dead = router.dead
+    await router.shutdown()
     return 1 if dead else 0

@@ -25,21 +25,25 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from lantau.server.auth import is_authorized, presented_key
 from lantau.server.kserve_http import (
-    MODEL_VERSION,
     OUTPUT_NAME,
+    ErrorCode,
     InferJob,
     KServeError,
     KServeModel,
+    KServeModels,
     Tensor,
     check_tensor,
     decode_raw_tensor,
     encode_bytes_tensor,
     invalid,
+    server_metadata,
 )
+from lantau.server.models import ModelRouter, as_router
 from lantau.server.observability import observe_grpc_call
 
 if TYPE_CHECKING:
     from lantau.engine.async_llm import AsyncLLM
+    from lantau.server.model_control import ModelManager
 
 logger = logging.getLogger(__name__)
 
@@ -90,14 +94,19 @@ def decode_grpc_inputs(request: service_pb2.ModelInferRequest) -> list[Tensor]:
     return tensors
 
 
-def parse_request(model: KServeModel, request: service_pb2.ModelInferRequest) -> InferJob:
-    model.check_model(request.model_name, request.model_version)
+def parse_request(
+    models: KServeModels, request: service_pb2.ModelInferRequest
+) -> tuple[KServeModel, InferJob]:
+    model = models.get(request.model_name, request.model_version)
     model.check_ready()
     for output in request.outputs:
         if output.name != OUTPUT_NAME:
             raise invalid(f"unexpected inference output '{output.name}'")
     parameters = decode_parameters(request.parameters)
-    return model.build_job(decode_grpc_inputs(request), parameters, request.id)
+    job = model.build_job(
+        decode_grpc_inputs(request), parameters, request.id, request.model_version
+    )
+    return model, job
 
 
 def infer_response(
@@ -105,7 +114,7 @@ def infer_response(
 ) -> service_pb2.ModelInferResponse:
     """A response holding `text` (no output when None); `is_final`: triton_final_response."""
     response = service_pb2.ModelInferResponse(
-        model_name=model.name, model_version=MODEL_VERSION, id=job.client_id
+        model_name=model.name, model_version=job.model_version, id=job.client_id
     )
     if text is not None:
         response.outputs.add(name=OUTPUT_NAME, datatype="BYTES", shape=job.output_shape)
@@ -116,41 +125,80 @@ def infer_response(
 
 
 class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """Health, metadata, config and inference; repository, statistics and shared memory are
-    left UNIMPLEMENTED by the base class."""
+    """Health, metadata, config, inference and (with a model repository) its index, load and
+    unload; statistics and shared memory are left UNIMPLEMENTED by the base class."""
 
-    def __init__(self, model: KServeModel) -> None:
-        self.model = model
-        self.metrics = getattr(model.engine, "metrics", None)
+    def __init__(
+        self,
+        router: ModelRouter,
+        is_ready: Callable[[], bool],
+        control: ModelManager | None = None,
+        metrics=None,
+    ) -> None:
+        self.router, self.models, self.is_ready = router, KServeModels(router), is_ready
+        self.control = control
+        self.metrics = metrics
 
     async def ServerLive(self, request, context) -> service_pb2.ServerLiveResponse:
-        return service_pb2.ServerLiveResponse(live=self.model.engine.is_live())
+        return service_pb2.ServerLiveResponse(live=self.router.is_live())
 
     async def ServerReady(self, request, context) -> service_pb2.ServerReadyResponse:
-        return service_pb2.ServerReadyResponse(ready=self.model.is_ready())
+        return service_pb2.ServerReadyResponse(ready=self.is_ready())
 
     async def ServerMetadata(self, request, context) -> service_pb2.ServerMetadataResponse:
-        return service_pb2.ServerMetadataResponse(**self.model.server_metadata())
+        return service_pb2.ServerMetadataResponse(**server_metadata())
 
     async def ModelReady(self, request, context) -> service_pb2.ModelReadyResponse:
         # as Triton: an unknown model is "not ready" here, not an error
-        is_known = request.name == self.model.name and request.version in ("", MODEL_VERSION)
-        return service_pb2.ModelReadyResponse(ready=is_known and self.model.is_ready())
+        try:
+            model = self.models.get(request.name, request.version)
+        except KServeError:
+            return service_pb2.ModelReadyResponse(ready=False)
+        return service_pb2.ModelReadyResponse(ready=model.is_ready())
 
     async def ModelMetadata(self, request, context) -> service_pb2.ModelMetadataResponse:
         try:
-            self.model.check_model(request.name, request.version)
+            model = self.models.get(request.name, request.version)
         except KServeError as e:
             await abort(context, e)
-        return json_format.ParseDict(self.model.metadata(), service_pb2.ModelMetadataResponse())
+        return json_format.ParseDict(model.metadata(), service_pb2.ModelMetadataResponse())
 
     async def ModelConfig(self, request, context) -> service_pb2.ModelConfigResponse:
         try:
-            self.model.check_model(request.name, request.version)
+            model = self.models.get(request.name, request.version)
         except KServeError as e:
             await abort(context, e)
-        config = json_format.ParseDict(self.model.config(), model_config_pb2.ModelConfig())
+        config = json_format.ParseDict(model.config(), model_config_pb2.ModelConfig())
         return service_pb2.ModelConfigResponse(config=config)
+
+    async def RepositoryIndex(self, request, context) -> service_pb2.RepositoryIndexResponse:
+        control = await self._control(context)
+        index = control.index(ready_only=request.ready)
+        return service_pb2.RepositoryIndexResponse(
+            models=[service_pb2.RepositoryIndexResponse.ModelIndex(**m) for m in index]
+        )
+
+    async def RepositoryModelLoad(self, request, context):
+        control = await self._control(context)
+        try:
+            await control.load(request.model_name)
+        except KServeError as e:
+            await abort(context, e)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        control = await self._control(context)
+        try:
+            await control.unload(request.model_name)
+        except KServeError as e:
+            await abort(context, e)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    async def _control(self, context) -> ModelManager:
+        if self.control is None:
+            await abort(context, KServeError(ErrorCode.UNAVAILABLE, "no model repository: "
+                                             "start with --model-repository"))  # fmt: skip
+        return self.control
 
     async def ModelInfer(self, request, context) -> service_pb2.ModelInferResponse:
         # NOTE: a cancelled call cancels this task, which leaves engine.generate: aborted
@@ -158,8 +206,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         with observe_grpc_call(self.metrics, "ModelInfer", given_id) as call:
             await context.send_initial_metadata((("x-request-id", call.context.request_id),))
             try:
-                job = parse_request(self.model, request)
-                return infer_response(self.model, job, await self.model.complete(job))
+                model, job = parse_request(self.models, request)
+                return infer_response(model, job, await model.complete(job))
             except KServeError as e:
                 call.status = e.code.name
                 await abort(context, e)
@@ -196,12 +244,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _serve_one(self, request, responses: asyncio.Queue, given_id: str) -> None:
         with observe_grpc_call(self.metrics, "ModelStreamInfer", request.id or given_id) as call:
             try:
-                job = parse_request(self.model, request)
+                model, job = parse_request(self.models, request)
                 if job.is_stream:
-                    await self._stream_deltas(job, request, responses)
+                    await self._stream_deltas(model, job, request, responses)
                 else:
-                    text = await self.model.complete(job)
-                    response = infer_response(self.model, job, text, is_final=True)
+                    text = await model.complete(job)
+                    response = infer_response(model, job, text, is_final=True)
                     message = service_pb2.ModelStreamInferResponse(infer_response=response)
                     responses.put_nowait(message)
             except KServeError as e:
@@ -212,19 +260,21 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 logger.exception("ModelStreamInfer request %r failed", request.id)
                 responses.put_nowait(stream_error(request, f"internal error: {e}"))
 
-    async def _stream_deltas(self, job: InferJob, request, responses: asyncio.Queue) -> None:
+    async def _stream_deltas(
+        self, model: KServeModel, job: InferJob, request, responses: asyncio.Queue
+    ) -> None:
         # tritonclient's enable_empty_final_response: deltas, then an empty final response
         has_empty_final = decode_parameters(request.parameters).get(
             "triton_enable_empty_final_response", False
         )
-        async with aclosing(self.model.stream(job)) as deltas:
+        async with aclosing(model.stream(job)) as deltas:
             async for delta, is_final in deltas:
                 if has_empty_final and not delta:
                     continue
-                response = infer_response(self.model, job, delta, is_final and not has_empty_final)
+                response = infer_response(model, job, delta, is_final and not has_empty_final)
                 responses.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
         if has_empty_final:
-            response = infer_response(self.model, job, None, is_final=True)
+            response = infer_response(model, job, None, is_final=True)
             responses.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
 
 
@@ -292,14 +342,16 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 async def start_grpc_server(
-    engine: AsyncLLM,
-    model_name: str,
+    engine: AsyncLLM | ModelRouter,
+    model_name: str | None,
     host: str,
     port: int,
     is_ready: Callable[[], bool],
     *,
     api_keys: tuple[str, ...] = (),
     max_message_bytes: int = 4 << 20,
+    control: ModelManager | None = None,
+    metrics=None,
 ) -> grpc.aio.Server:
     """Serve `inference.GRPCInferenceService` on host:port; stop it with `await server.stop(s)`.
     A request message is capped as an HTTP body is (`max_message_bytes`)."""
@@ -310,7 +362,10 @@ async def start_grpc_server(
             ("grpc.max_receive_message_length", max_message_bytes),
         ],
     )
-    service = InferenceService(KServeModel(engine, model_name, is_ready))
+    router = as_router(engine, model_name, is_ready)
+    if metrics is None and not isinstance(engine, ModelRouter):
+        metrics = getattr(engine, "metrics", None)
+    service = InferenceService(router, is_ready, control, metrics)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     bound_port = server.add_insecure_port(f"{host}:{port}")
     await server.start()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import functools
 import importlib.metadata
@@ -43,6 +44,7 @@ from lantau.outputs import RequestOutput
 from lantau.request import INT64_MAX, INT64_MIN, UINT64_MAX, SamplingParams
 from lantau.server.body import RequestBodyError
 from lantau.server.body import read_body as read_raw_body
+from lantau.server.models import ModelRouter, ServedModel, as_router
 from lantau.server.observability import current_request_id, engine_request_id
 from lantau.server.schemas import (
     INFER_HEADER_DECODER,
@@ -61,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MODEL_VERSION = "1"  # one version until the model repository serves several
+MODEL_VERSION = "1"  # a fixed model's (lantau serve MODEL) one version
 OUTPUT_NAME = "text_output"
 SERVER_EXTENSIONS = ("binary_tensor_data", "parameters", "model_configuration", "generate")
 GenerateParameters = dict[str, Scalar] | None
@@ -75,6 +77,7 @@ class ErrorCode(enum.Enum):
 
     INVALID_ARGUMENT = 400
     NOT_FOUND = 404
+    ALREADY_EXISTS = 409  # a load of a model already loading
     RESOURCE_EXHAUSTED = 429  # admission refused (EngineOverloadedError): retry later
     UNAVAILABLE = 503
 
@@ -157,6 +160,13 @@ class InferJob:
     has_prompt_in_output: bool  # exclude_input_in_output=False; streams never repeat it
     output_shape: list[int]  # text_output's shape: text_input's ([1] or [1, 1])
     client_id: str  # the client's request id, echoed in responses
+    version: str = ""  # the version asked for ("": the one serving now)
+    # the version that served it (set by outputs() once the engine is picked)
+    served_version: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def model_version(self) -> str:
+        return self.served_version[0] if self.served_version else (self.version or MODEL_VERSION)
 
 
 _request_ids = itertools.count()
@@ -254,27 +264,28 @@ def _is_integral(value: int | float) -> bool:
 
 
 class KServeModel:
-    """The one model lantau serves, as KServe v2 sees it; shared by the HTTP and gRPC routes."""
+    """A served model as KServe v2 sees it; shared by the HTTP and gRPC routes."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, is_ready: Callable[[], bool]) -> None:
-        self.engine = engine
-        self.name = model_name
-        self.is_ready = is_ready
+    def __init__(self, served: ServedModel) -> None:
+        self.served = served
+        self.name = served.name
 
-    def check_model(self, name: str, version: str = "") -> None:
-        if name != self.name:
-            raise KServeError(ErrorCode.NOT_FOUND, f"Request for unknown model: '{name}'")
-        if version not in ("", MODEL_VERSION):
+    @property
+    def engine(self) -> AsyncLLM:
+        return self.served.engine
+
+    def is_ready(self) -> bool:
+        return self.served.is_ready()
+
+    def check_version(self, version: str) -> None:
+        if version and version not in self.served.versions():
             raise KServeError(
-                ErrorCode.NOT_FOUND, f"Request for unknown model: '{name}' version {version}"
+                ErrorCode.NOT_FOUND, f"Request for unknown model: '{self.name}' version {version}"
             )
 
     def check_ready(self) -> None:
         if not self.is_ready():
             raise KServeError(ErrorCode.UNAVAILABLE, f"model '{self.name}' is not ready")
-
-    def server_metadata(self) -> dict:
-        return {"name": "lantau", "version": server_version(), "extensions": SERVER_EXTENSIONS}
 
     def metadata(self) -> dict:
         """KServe model metadata; every input is a one-element tensor, only text_input needed."""
@@ -283,7 +294,7 @@ class KServeModel:
         ]
         return {
             "name": self.name,
-            "versions": [MODEL_VERSION],
+            "versions": self.served.versions(),
             "platform": "lantau",
             "inputs": inputs,
             "outputs": [{"name": OUTPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
@@ -313,7 +324,9 @@ class KServeModel:
             "parameters": {"max_model_len": {"string_value": str(self.engine.max_model_len)}},
         }
 
-    def build_job(self, inputs: list[Tensor], parameters: dict, client_id: str = "") -> InferJob:
+    def build_job(
+        self, inputs: list[Tensor], parameters: dict, client_id: str = "", version: str = ""
+    ) -> InferJob:
         """Validate the tensors (and request parameters standing in for absent ones)."""
         tensors = index_inputs(inputs)
         if "text_input" not in tensors:
@@ -340,6 +353,7 @@ class KServeModel:
             has_prompt_in_output=not values.get("exclude_input_in_output", True),
             output_shape=list(tensors["text_input"].shape),
             client_id=str(client_id),
+            version=version,
         )
 
     async def outputs(self, job: InferJob) -> AsyncIterator[RequestOutput]:
@@ -348,8 +362,13 @@ class KServeModel:
         Leaving this iterator early leaves engine.generate, which aborts the request.
         """
         request_id = new_request_id(job.client_id)
+        results = self.served.generate(
+            request_id, job.prompt, job.params, job.priority, job.version
+        )
         try:
-            async for out in self.engine.generate(request_id, job.prompt, job.params, job.priority):
+            async for out in results:
+                if not job.served_version:
+                    job.served_version.append(out.model_version or job.version or MODEL_VERSION)
                 yield out
         except InvalidRequestError as e:
             raise invalid(str(e)) from None
@@ -380,6 +399,25 @@ class KServeModel:
             async for out in outputs:
                 text = out.outputs[0].text
         return job.prompt + text if job.has_prompt_in_output else text
+
+
+def server_metadata() -> dict:
+    return {"name": "lantau", "version": server_version(), "extensions": SERVER_EXTENSIONS}
+
+
+class KServeModels:
+    """The router's models as KServe sees them, by name (and version)."""
+
+    def __init__(self, router: ModelRouter) -> None:
+        self.router = router
+
+    def get(self, name: str, version: str = "") -> KServeModel:
+        served = self.router.get(name) if name else None
+        if served is None:
+            raise KServeError(ErrorCode.NOT_FOUND, f"Request for unknown model: '{name}'")
+        model = KServeModel(served)
+        model.check_version(version)
+        return model
 
 
 def index_inputs(inputs: list[Tensor]) -> dict[str, Tensor]:
@@ -498,7 +536,7 @@ def wants_binary_output(header: InferHeader) -> bool:
 
 def infer_response(model: KServeModel, job: InferJob, text: str, is_binary: bool) -> Response:
     output: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": "BYTES", "shape": job.output_shape}
-    body: dict[str, Any] = {"model_name": model.name, "model_version": MODEL_VERSION}
+    body: dict[str, Any] = {"model_name": model.name, "model_version": job.model_version}
     if job.client_id:
         body["id"] = job.client_id
     body["outputs"] = [output]
@@ -563,40 +601,40 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 def make_kserve_router(
-    engine: AsyncLLM,
-    model_name: str,
-    is_ready: Callable[[], bool],
+    engine: AsyncLLM | ModelRouter,
+    model_name: str | None = None,
+    is_ready: Callable[[], bool] | None = None,
     *,
     max_body_bytes: int = 64 << 20,
 ) -> APIRouter:
-    """The KServe v2 HTTP routes for one model; `is_ready` answers the readiness probes."""
-    model = KServeModel(engine, model_name, is_ready)
+    """The KServe v2 HTTP routes for a router's models (or one engine named `model_name`);
+    `is_ready` answers the server's readiness probes."""
+    router_ = as_router(engine, model_name, is_ready)
+    models = KServeModels(router_)
+    is_server_ready = is_ready or (lambda: True)
     router = APIRouter()
 
-    async def server_metadata() -> Response:
-        return json_response(model.server_metadata())
+    async def server_meta() -> Response:
+        return json_response(server_metadata())
 
     async def live() -> Response:
         # a dead or hung engine core cannot come back: let the orchestrator restart the process
-        return Response(status_code=200 if engine.is_live() else 503)
+        return Response(status_code=200 if router_.is_live() else 503)
 
     async def ready() -> Response:
-        return Response(status_code=200 if is_ready() else 503)
+        return Response(status_code=200 if is_server_ready() else 503)
 
     async def model_metadata(name: str, version: str = "") -> Response:
-        model.check_model(name, version)
-        return json_response(model.metadata())
+        return json_response(models.get(name, version).metadata())
 
     async def model_ready(name: str, version: str = "") -> Response:
-        model.check_model(name, version)
-        return Response(status_code=200 if is_ready() else 503)
+        return Response(status_code=200 if models.get(name, version).is_ready() else 503)
 
     async def model_config(name: str, version: str = "") -> Response:
-        model.check_model(name, version)
-        return json_response(model.config())
+        return json_response(models.get(name, version).config())
 
     async def infer(name: str, request: Request, version: str = "") -> Response:
-        model.check_model(name, version)
+        model = models.get(name, version)
         model.check_ready()
         body = await read_body(request, max_body_bytes)
         header, binary = split_infer_body(
@@ -604,12 +642,14 @@ def make_kserve_router(
         )
         inputs = decode_http_inputs(header, binary)
         is_binary = wants_binary_output(header)
-        job = model.build_job(inputs, header.parameters or {}, header.id or "")
+        job = model.build_job(inputs, header.parameters or {}, header.id or "", version)
         text = await cancel_on_disconnect(request, model.complete(job))
         return infer_response(model, job, text, is_binary)
 
-    async def parse_generate(name: str, request: Request, version: str) -> InferJob:
-        model.check_model(name, version)
+    async def parse_generate(
+        name: str, request: Request, version: str
+    ) -> tuple[KServeModel, InferJob]:
+        model = models.get(name, version)
         model.check_ready()
         body = decode_json(OBJECT_DECODER, await read_body(request, max_body_bytes))
         try:
@@ -617,21 +657,22 @@ def make_kserve_router(
             client_id = convert_field(body.get("id"), str | None, "id")
         except InvalidRequestError as e:
             raise invalid(str(e)) from None
-        return model.build_job(generate_inputs(body), parameters or {}, client_id or "")
+        job = model.build_job(generate_inputs(body), parameters or {}, client_id or "", version)
+        return model, job
 
-    def generate_body(job: InferJob, text: str) -> dict:
-        body = {"model_name": model.name, "model_version": MODEL_VERSION, OUTPUT_NAME: text}
+    def generate_body(model: KServeModel, job: InferJob, text: str) -> dict:
+        body = {"model_name": model.name, "model_version": job.model_version, OUTPUT_NAME: text}
         if job.client_id:
             body["id"] = job.client_id
         return body
 
     async def generate(name: str, request: Request, version: str = "") -> Response:
-        job = await parse_generate(name, request, version)
+        model, job = await parse_generate(name, request, version)
         text = await cancel_on_disconnect(request, model.complete(job))
-        return json_response(generate_body(job, text))
+        return json_response(generate_body(model, job, text))
 
     async def generate_stream(name: str, request: Request, version: str = "") -> Response:
-        job = await parse_generate(name, request, version)
+        model, job = await parse_generate(name, request, version)
         deltas = model.stream(job)
         # the first delta before the headers: a bad prompt still gets a plain 400
         try:
@@ -642,10 +683,10 @@ def make_kserve_router(
 
         async def events() -> AsyncIterator[bytes]:
             async with aclosing(deltas):
-                yield sse_event(generate_body(job, first))
+                yield sse_event(generate_body(model, job, first))
                 try:
                     async for delta, _ in deltas:
-                        yield sse_event(generate_body(job, delta))
+                        yield sse_event(generate_body(model, job, delta))
                 except KServeError as e:  # headers are gone: report in the stream
                     yield sse_event({"error": str(e)})
                 except Exception:
@@ -657,7 +698,7 @@ def make_kserve_router(
         )
 
     routes: list[tuple[str, Callable, str]] = [
-        ("/v2", server_metadata, "GET"),
+        ("/v2", server_meta, "GET"),
         ("/v2/health/live", live, "GET"),
         ("/v2/health/ready", ready, "GET"),
     ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from lantau.outputs import RequestOutput
 from lantau.request import SamplingParams
 from lantau.server.body import RequestBodyError
 from lantau.server.body import read_body as read_raw_body
+from lantau.server.models import ModelRouter, ServedModel, as_router
 from lantau.server.observability import engine_request_id
 from lantau.server.schemas import (
     CHAT_DECODER,
@@ -175,20 +177,19 @@ def _held_back(params: SamplingParams) -> int:
 
 
 class OpenAIServer:
-    def __init__(
-        self, engine: AsyncLLM, model_name: str, max_body_bytes: int, limits: RequestLimits
-    ) -> None:
-        self.engine = engine
-        self.model_name = model_name
+    def __init__(self, router: ModelRouter, max_body_bytes: int, limits: RequestLimits) -> None:
+        self.router = router
         self.max_body_bytes = max_body_bytes
         self.limits = limits
-        self.tokenizer = engine.tokenizer
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def get_model(self, model: str | None) -> ServedModel:
+        """The model a request names (None: the default one)."""
+        served = self.router.get(model)
+        if served is None:
             raise APIError(404, f"model {model!r} does not exist", "model", "NotFoundError")
+        return served
 
-    def chat_prompt(self, body: ChatRequest) -> list[dict]:
+    def chat_prompt(self, body: ChatRequest, tokenizer) -> list[dict]:
         """The conversation, for AsyncLLM.encode_chat (the template runs there)."""
         if body.messages is None:
             raise InvalidRequestError("messages", "required")
@@ -198,7 +199,7 @@ class OpenAIServer:
             if not isinstance(content, str):  # content parts: keep the text ones
                 content = "".join(p.text or "" for p in content if p.type == "text")
             conversation.append({"role": m.role, "content": content})
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template", "messages")
         return conversation
 
@@ -217,11 +218,15 @@ class OpenAIServer:
             body = parse_request(
                 await read_body(request, self.max_body_bytes), chat=chat, limits=self.limits
             )
-            self.check_model(body.model)
+            served = self.get_model(body.model)
+            engine = served.engine  # the version serving now: its tokenizer (NOTE: not pinned)
             params = sampling_params_from(body)
-            prompt = self.chat_prompt(body) if chat else self.completion_prompt(body)
+            if chat:
+                prompt = self.chat_prompt(body, engine.tokenizer)
+            else:
+                prompt = self.completion_prompt(body)
             if chat:  # the template and tokenizer run off the event loop when it is long
-                prompt = {"prompt_token_ids": await self.engine.encode_chat(prompt)}
+                prompt = {"prompt_token_ids": await engine.encode_chat(prompt)}
             priority = _first(body.priority, 0)
             stream = _first(body.stream, False)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -231,7 +236,8 @@ class OpenAIServer:
         except InvalidRequestError as e:
             return error_response(400, str(e), e.field)
         request_id = engine_request_id("chatcmpl" if chat else "cmpl")
-        results = self.engine.generate(request_id, prompt, params, priority)
+        results = served.generate(request_id, prompt, params, priority)
+        reply = Reply(request_id, served.name, engine.tokenizer, chat, params)
         try:  # the first output: admission, validation and engine errors surface before a stream
             async with asyncio.timeout_at(deadline):
                 first = await anext(results)
@@ -239,8 +245,9 @@ class OpenAIServer:
             await results.aclose()
             return _error_for(e)
         results = _chain(first, results)
+        reply.version = first.model_version
         if stream:
-            chunks = self._stream(request_id, results, params, chat, include_usage, deadline)
+            chunks = self._stream(reply, results, include_usage, deadline)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
             final = await _collect_unless_disconnected(results, request, deadline)
@@ -248,39 +255,39 @@ class OpenAIServer:
             return _error_for(e)
         if final is None:  # the client left; its request is aborted already
             return Response(status_code=499)
-        return json_response(self._full_body(request_id, final, chat, params))
+        return json_response(self._full_body(reply, final))
 
-    def _full_body(
-        self, request_id: str, output: RequestOutput, chat: bool, params: SamplingParams
-    ) -> dict:
+    def _full_body(self, reply: Reply, output: RequestOutput) -> dict:
         choices = []
+        num_logprobs, tokenizer = reply.params.logprobs or 0, reply.tokenizer
         for o in output.outputs:
             choice: dict[str, Any] = {"index": o.index, "finish_reason": o.finish_reason}
-            if chat:
+            if reply.chat:
                 choice["message"] = {"role": "assistant", "content": o.text}
-                choice["logprobs"] = _logprobs_chat(o, self.tokenizer, params.logprobs or 0)
+                choice["logprobs"] = _logprobs_chat(o, tokenizer, num_logprobs)
             else:
                 choice["text"] = o.text
-                choice["logprobs"] = _logprobs_completion(o, self.tokenizer, params.logprobs or 0)
+                choice["logprobs"] = _logprobs_completion(o, tokenizer, num_logprobs)
             choices.append(choice)
         return {
-            "id": request_id,
-            "object": "chat.completion" if chat else "text_completion",
+            "id": reply.request_id,
+            "object": "chat.completion" if reply.chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": reply.model_name,
+            **reply.fingerprint(),
             "choices": choices,
             "usage": _usage(output),
         }
 
     async def _stream(
         self,
-        request_id: str,
+        reply: Reply,
         results: AsyncIterator[RequestOutput],
-        params: SamplingParams,
-        chat: bool,
         include_usage: bool,
         deadline: float | None,
     ) -> AsyncIterator[bytes]:
+        request_id, params, chat = reply.request_id, reply.params, reply.chat
+        fingerprint = reply.fingerprint()
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         hold = _held_back(params)
@@ -292,7 +299,8 @@ class OpenAIServer:
                 "id": request_id,
                 "object": kind,
                 "created": created,
-                "model": self.model_name,
+                "model": reply.model_name,
+                **fingerprint,
                 "choices": choices,
             }
             if usage is not None:
@@ -336,6 +344,22 @@ class OpenAIServer:
         if include_usage and last is not None:
             yield chunk([], _usage(last))
         yield b"data: [DONE]\n\n"
+
+
+@dataclasses.dataclass
+class Reply:
+    """What a response names: the request, the model, and the version that served it."""
+
+    request_id: str
+    model_name: str
+    tokenizer: Any
+    chat: bool
+    params: SamplingParams
+    version: str | None = None  # a model repository's version (None: a fixed model)
+
+    def fingerprint(self) -> dict:
+        """OpenAI's system_fingerprint names the backend configuration: here the version."""
+        return {"system_fingerprint": f"{self.model_name}:{self.version}"} if self.version else {}
 
 
 async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]):
@@ -415,30 +439,32 @@ async def _collect_unless_disconnected(
 
 
 def make_openai_router(
-    engine: AsyncLLM,
-    model_name: str,
+    engine: AsyncLLM | ModelRouter,
+    model_name: str | None,
     max_body_bytes: int,
     limits: RequestLimits | None = None,
 ) -> APIRouter:
-    server = OpenAIServer(engine, model_name, max_body_bytes, limits or RequestLimits())
+    """The OpenAI routes for a router's models (or one engine named `model_name`)."""
+    models = as_router(engine, model_name)
+    server = OpenAIServer(models, max_body_bytes, limits or RequestLimits())
     router = APIRouter()
 
     @router.get("/v1/models")
-    async def models() -> Response:
-        return json_response(
-            {
-                "object": "list",
-                "data": [
+    async def list_models() -> Response:
+        data = []
+        for name in models.names():
+            served = models.get(name)
+            if served is not None and served.versions():
+                data.append(
                     {
-                        "id": model_name,
+                        "id": name,
                         "object": "model",
                         "created": 0,
                         "owned_by": "lantau",
-                        "max_model_len": engine.max_model_len,
+                        "max_model_len": served.engine.max_model_len,
                     }
-                ],
-            }
-        )
+                )
+        return json_response({"object": "list", "data": data})
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -1,0 +1,347 @@
+"""W6 on one GPU: how long an 8B engine takes to load, against HF `from_pretrained` of the same
+weights and against reading the same bytes from disk, in the same run, cold page cache where
+the machine lets us drop it (as root: `echo 3 > /proc/sys/vm/drop_caches`); then the time from
+`lantau serve REPO` to ready, by stage.
+
+    PYTHONPATH=. python3 benchmarks/gpu_load.py --work /tmp/w6 --out $OUT
+    # the children (build, loads, serve) run with --python (default: this interpreter)
+
+Stages: (1) `lantau build random:llama3-8b --out WORK/repo/llama/1` (bf16, safetensors shards,
+manifest); (2) the same weights written as an HF folder (q/k/v and gate/up split back to HF
+names, HF's sharded layout); (3) bytes read from disk (all threads, and one); (4) lantau's
+load (`build_model` of the engine folder on CUDA, checksums on, then off); (5) HF
+`AutoModelForCausalLM.from_pretrained(..., device_map="cuda")`; (6) `lantau serve
+--model-repository WORK/repo` to a 200 on /health, with the engine's start-up stages from
+/status, then an unload (GPU memory read before the server, served, after the unload) and a
+load again through the API (warm page cache). Each timed load runs in
+a fresh process whose CUDA context is made before the clock starts. A short table comes last;
+everything is in WORK/w6.json (and $OUT/w6.json with --out). No network is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+GB = 1e9
+
+
+def drop_page_cache(enabled: bool = True) -> bool:
+    """Cold page cache: True when the kernel took the request (root on a real host)."""
+    if not enabled:
+        return False
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_child(python: str, code: str, *argv: str, timeout: float = 900) -> dict:
+    """Run `code` in a fresh interpreter; its last stdout line is a JSON object."""
+    done = subprocess.run(
+        [python, "-c", code, *argv], capture_output=True, text=True, timeout=timeout
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"child failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def build(python: str, model: str, engine_dir: Path, device: str) -> float:
+    if engine_dir.exists():
+        shutil.rmtree(engine_dir)
+    start = time.perf_counter()
+    subprocess.run(
+        [python, "-m", "lantau.cli", "build", model, "--out", str(engine_dir), "--dtype", "bf16",
+         "--device", device],
+        check=True,
+    )  # fmt: skip
+    return time.perf_counter() - start
+
+
+HF_FOLDER_CODE = r"""
+import json, sys, torch, transformers
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+from lantau.model.manifest import read_manifest
+engine, out = Path(sys.argv[1]), Path(sys.argv[2])
+m = read_manifest(engine)
+c = m.model_config
+out.mkdir(parents=True, exist_ok=True)
+transformers.LlamaConfig(
+    vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+    num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+    num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+    rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+    tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
+    eos_token_id=list(c.eos_token_ids), torch_dtype="bfloat16",
+    rope_scaling=None if c.rope_scaling is None else {
+        "rope_type": c.rope_scaling.rope_type, "factor": c.rope_scaling.factor,
+        "low_freq_factor": c.rope_scaling.low_freq_factor,
+        "high_freq_factor": c.rope_scaling.high_freq_factor,
+        "original_max_position_embeddings": c.rope_scaling.original_max_position_embeddings},
+).save_pretrained(out)
+q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+i = c.intermediate_size
+weight_map, total = {}, 0
+for n, shard in enumerate(m.shards):
+    tensors = {}
+    for name, t in load_file(str(engine / shard)).items():
+        if ".qkv_proj." in name:
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
+                tensors[name.replace("qkv_proj", part)] = piece.contiguous()
+        elif ".gate_up_proj." in name:
+            for part, piece in zip(("gate_proj", "up_proj"), t.split([i, i])):
+                tensors[name.replace("gate_up_proj", part)] = piece.contiguous()
+        else:
+            tensors[name] = t
+    file = f"model-{n + 1:05d}-of-{len(m.shards):05d}.safetensors"
+    save_file(tensors, str(out / file), metadata={"format": "pt"})
+    for name, t in tensors.items():
+        weight_map[name] = file
+        total += t.numel() * t.element_size()
+(out / "model.safetensors.index.json").write_text(
+    json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+print(json.dumps({"bytes": total}))
+"""
+
+READ_CODE = r"""
+import json, os, sys, time
+from concurrent.futures import ThreadPoolExecutor
+files, threads = sys.argv[1].split(","), int(sys.argv[2])
+def read(path):
+    buf = bytearray(64 << 20)
+    view, total = memoryview(buf), 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            total += n
+    return total
+start = time.perf_counter()
+with ThreadPoolExecutor(threads) as pool:
+    total = sum(pool.map(read, files))
+print(json.dumps({"seconds": time.perf_counter() - start, "bytes": total}))
+"""
+
+LANTAU_LOAD_CODE = r"""
+import json, sys, time, torch
+from pathlib import Path
+device = torch.device(sys.argv[3])
+if device.type == "cuda":
+    torch.cuda.init(); torch.empty(1, device=device); torch.cuda.synchronize()
+from lantau.model import engine_loader
+from lantau.model.loader import build_model
+from lantau.model.manifest import read_manifest
+from lantau.model.source import resolve_model_source
+folder, verify = Path(sys.argv[1]), sys.argv[2] == "1"
+original = engine_loader.load_engine_weights
+timing = {}
+def timed(*args, **kwargs):
+    start = time.perf_counter()
+    original(*args, **{**kwargs, "verify_checksums": verify})
+    timing["weights_s"] = time.perf_counter() - start
+engine_loader.load_engine_weights = timed
+start = time.perf_counter()
+source = resolve_model_source(str(folder))
+m = read_manifest(folder)
+model = build_model(source, m.model_config, torch.bfloat16, device, 0)
+if device.type == "cuda":
+    torch.cuda.synchronize()
+total = time.perf_counter() - start
+print(json.dumps({"seconds": total, **timing, "construct_s": total - timing["weights_s"],
+                  "device_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
+"""
+
+HF_LOAD_CODE = r"""
+import json, sys, time, torch
+device = torch.device(sys.argv[2])
+if device.type == "cuda":
+    torch.cuda.init(); torch.empty(1, device=device); torch.cuda.synchronize()
+import transformers
+start, how = time.perf_counter(), "device_map"
+try:  # straight to the device where HF can (device_map needs accelerate)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        sys.argv[1], dtype=torch.bfloat16, device_map=str(device), local_files_only=True)
+except (ImportError, ValueError):
+    start, how = time.perf_counter(), "to(device)"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        sys.argv[1], dtype=torch.bfloat16, local_files_only=True).to(device)
+if device.type == "cuda":
+    torch.cuda.synchronize()
+print(json.dumps({"seconds": time.perf_counter() - start, "how": how,
+                  "device_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_memory_used() -> float | None:
+    """Bytes used on GPU 0 (NVML), or None without it."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+    except Exception:
+        return None
+
+
+def post(url: str) -> float:
+    """POST an empty JSON body; seconds until the answer."""
+    start = time.perf_counter()
+    request = urllib.request.Request(url, data=b"{}", headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=900) as r:
+        r.read()
+    return time.perf_counter() - start
+
+
+def serve_to_ready(python: str, repo: Path, log_path: Path, extra: list[str]) -> dict:
+    """`lantau serve REPO` until /health answers 200 (the engine's stages from /status), then
+    unload (device memory back to where it was before the server?) and load again (a hot
+    load with the page cache warm)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [python, "-m", "lantau.cli", "serve", "--model-repository", str(repo),
+           "--model-control-mode", "explicit", "--load-model", "llama", "--port", str(port),
+           "--grpc-port", "0", *extra]  # fmt: skip
+    memory = {"before_serve": gpu_memory_used()}
+    with open(log_path, "w") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"lantau serve exited with {proc.returncode}: see {log_path}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        ready_s = time.perf_counter() - start
+        with urllib.request.urlopen(f"{base}/status", timeout=10) as r:
+            status = json.loads(r.read())
+        memory["served"] = gpu_memory_used()
+        unload_s = post(f"{base}/v2/repository/models/llama/unload")
+        memory["after_unload"] = gpu_memory_used()
+        reload_s = post(f"{base}/v2/repository/models/llama/load")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return {"seconds": ready_s, "stages": status.get("startup_s", {}), "unload_s": unload_s,
+            "reload_s": reload_s, "gpu_memory_bytes": memory}  # fmt: skip
+
+
+def table(result: dict) -> str:
+    disk = result["disk_read_parallel"]["seconds"]
+    lantau, hf = result["lantau_load"]["seconds"], result.get("hf_load", {}).get("seconds")
+    gb = result["engine_bytes"] / GB
+    rows = [
+        ("disk read, all threads", disk),
+        ("disk read, one thread", result["disk_read_one"]["seconds"]),
+        ("lantau load (checksums on)", lantau),
+        ("lantau load (checksums off)", result["lantau_load_unverified"]["seconds"]),
+        ("HF from_pretrained", hf),
+        ("lantau serve REPO -> ready", result["serve"]["seconds"]),
+    ]
+    lines = [
+        f"W6 {result['model']} bf16, {gb:.1f} GB; cold page cache: {result['cold_cache']}",
+        f"{'stage':<30} {'seconds':>8} {'GB/s':>7}",
+    ]
+    for name, seconds in rows:
+        if seconds is not None:
+            lines.append(f"{name:<30} {seconds:>8.2f} {gb / seconds:>7.2f}")
+    stages = ", ".join(f"{k} {v:.1f}" for k, v in result["serve"]["stages"].items())
+    lines.append(f"serve stages (s): {stages}")
+    serve = result["serve"]
+    lines.append(f"unload {serve['unload_s']:.1f} s; load again (warm cache, API) "
+                 f"{serve['reload_s']:.1f} s")  # fmt: skip
+    memory = serve["gpu_memory_bytes"]
+    if None not in memory.values():
+        lines.append(
+            "GPU memory used (GB): before serve {before_serve:.2f}, served {served:.2f}, "
+            "after unload {after_unload:.2f}".format(**{k: v / GB for k, v in memory.items()})
+        )
+    if hf:
+        lines.append(f"lantau vs HF: {hf / lantau:.1f}x faster (goal >= 5x)")
+    lines.append(f"lantau vs disk read: {lantau / disk:.2f}x the disk time (goal <= 1.5x)")
+    lines.append(f"serve to ready: {result['serve']['seconds']:.1f} s (goal <= 15 s)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--python", default=sys.executable, help="interpreter for the children")
+    p.add_argument("--work", default="/tmp/lantau-w6", help="repository + HF folder (~32 GB)")
+    p.add_argument("--model", default="random:llama3-8b")
+    p.add_argument("--out", default=None, help="also write w6.json and the logs here")
+    p.add_argument("--skip-hf", action="store_true", help="no HF folder, no from_pretrained")
+    p.add_argument("--reuse", action="store_true", help="keep an engine and HF folder built")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra lantau serve args")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    p.add_argument(
+        "--no-drop-cache", dest="drop_cache", action="store_false",
+        help="leave the page cache (a shared machine): warm-cache figures",
+    )  # fmt: skip
+    args = p.parse_args()
+    work = Path(args.work)
+    engine_dir, hf_dir = work / "repo" / "llama" / "1", work / "hf"
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {"model": args.model}
+    if not (args.reuse and (engine_dir / "lantau-engine.json").exists()):
+        result["build_s"] = build(args.python, args.model, engine_dir, args.device)
+        print(f"build: {result['build_s']:.1f} s", flush=True)
+    manifest = json.loads((engine_dir / "lantau-engine.json").read_text())
+    shards = [str(engine_dir / s) for s in manifest["shards"]]
+    result["engine_bytes"] = sum(manifest["files"][s]["size"] for s in manifest["shards"])
+    if not args.skip_hf and not (args.reuse and (hf_dir / "config.json").exists()):
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        start = time.perf_counter()
+        run_child(args.python, HF_FOLDER_CODE, str(engine_dir), str(hf_dir))
+        print(f"HF folder: {time.perf_counter() - start:.1f} s", flush=True)
+
+    def timed(name: str, code: str, *argv: str) -> dict:
+        cold = drop_page_cache(args.drop_cache)
+        result["cold_cache"] = cold
+        result[name] = run_child(args.python, code, *argv)
+        print(f"{name}: {result[name]['seconds']:.2f} s (cold cache: {cold})", flush=True)
+        return result[name]
+
+    threads = str(min(len(shards), os.cpu_count() or 1, 16))
+    timed("disk_read_parallel", READ_CODE, ",".join(shards), threads)
+    timed("disk_read_one", READ_CODE, ",".join(shards), "1")
+    timed("lantau_load", LANTAU_LOAD_CODE, str(engine_dir), "1", args.device)
+    timed("lantau_load_unverified", LANTAU_LOAD_CODE, str(engine_dir), "0", args.device)
+    if not args.skip_hf:
+        timed("hf_load", HF_LOAD_CODE, str(hf_dir), args.device)
+    result["cold_cache"] = drop_page_cache(args.drop_cache)
+    serve_args = [*(["--device", "cpu"] if args.device == "cpu" else []), *args.serve_arg]
+    if args.device == "cpu":
+        serve_args += ["--num-kv-blocks", "64", "--max-model-len", "256"]
+    result["serve"] = serve_to_ready(args.python, work / "repo", work / "serve.log", serve_args)
+    text = table(result)
+    (work / "w6.json").write_text(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        shutil.copy(work / "w6.json", Path(args.out) / "w6.json")
+        shutil.copy(work / "serve.log", Path(args.out) / "w6-serve.log")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""`lantau build` and engine folders: the weights load back exactly (random and HF sources),
+and every way a folder can be wrong is a ModelLoadError saying what differs and what to do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from lantau.cli import main
+from lantau.errors import ModelLoadError
+from lantau.model.build import build_engine
+from lantau.model.manifest import MANIFEST_NAME, compute_fingerprint, read_manifest
+from lantau.model.source import resolve_model_source
+from lantau.request import SamplingParams
+
+PROMPTS = [{"prompt_token_ids": [5, 17, 300, 9]}, {"prompt_token_ids": [1, 2, 3]}]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    out = tmp_path_factory.mktemp("repo") / "tiny" / "1"
+    assert main(["build", "random:tiny", "--out", str(out), "--seed", "7"]) == 0
+    return out
+
+
+def token_ids(model: str, **kwargs) -> list[list[int]]:
+    from lantau.llm import LLM
+
+    llm = LLM(model, device="cpu", max_model_len=64, num_kv_blocks=32, **kwargs)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_random_build_loads_the_same_weights(tiny_engine):
+    manifest = read_manifest(tiny_engine)
+    assert manifest.dtype == "bfloat16" and manifest.is_random_weights
+    assert "model.layers.0.self_attn.qkv_proj.weight" in manifest.tensors  # fused as served
+    assert (tiny_engine / "tokenizer.json").is_file()
+    assert resolve_model_source(str(tiny_engine)).kind == "engine"
+    assert token_ids(str(tiny_engine)) == token_ids("random:tiny", seed=7, dtype="bfloat16")
+
+
+def test_hf_build_matches_the_hf_folder(tiny_llama_dir, tmp_path):
+    out = tmp_path / "hf-engine"
+    build_engine(str(tiny_llama_dir), out, dtype="fp32", max_shard_bytes=100_000)
+    manifest = read_manifest(out)
+    assert len(manifest.shards) > 1  # several shards, read in parallel
+    assert token_ids(str(out)) == token_ids(str(tiny_llama_dir), dtype="float32")
+
+
+def copy_of(folder, tmp_path):
+    return shutil.copytree(folder, tmp_path / "copy")
+
+
+def edit_manifest(folder, change) -> None:
+    path = folder / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_a_corrupt_shard_is_a_checksum_error(tiny_engine, tmp_path):
+    from lantau.llm import LLM
+
+    folder = copy_of(tiny_engine, tmp_path)
+    shard = next(folder.glob("model-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF  # same size, one byte flipped
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="checksum mismatch.*rebuild"):
+        LLM(str(folder), device="cpu", max_model_len=64, num_kv_blocks=32)
+
+
+def test_a_truncated_shard_is_named(tiny_engine, tmp_path):
+    folder = copy_of(tiny_engine, tmp_path)
+    shard = next(folder.glob("model-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match=f"{shard.name}: 1000 bytes, the manifest says"):
+        read_manifest(folder)
+
+
+def test_an_edited_manifest_fails_its_fingerprint(tiny_engine, tmp_path):
+    folder = copy_of(tiny_engine, tmp_path)
+    edit_manifest(folder, lambda d: d["model_config"].update(rope_theta=1.0))
+    with pytest.raises(ModelLoadError, match="fingerprint mismatch"):
+        read_manifest(folder)
+
+
+def test_a_layout_change_names_the_tensor(tiny_engine, tmp_path):
+    """What a lantau upgrade that changes the model's layout sees: the tensor named."""
+    from lantau.llm import LLM
+
+    folder = copy_of(tiny_engine, tmp_path)
+
+    def rename(data):
+        tensors = data["tensors"]
+        tensors["model.layers.0.self_attn.q_proj.weight"] = tensors.pop(
+            "model.layers.0.self_attn.qkv_proj.weight"
+        )
+        m = read_manifest(tiny_engine)
+        specs = {n: type(next(iter(m.tensors.values())))(tuple(s), t) for n, (s, t) in
+                 tensors.items()}  # fmt: skip
+        data["fingerprint"] = compute_fingerprint(m.model_config, m.dtype, 1, specs)
+
+    edit_manifest(folder, rename)
+    with pytest.raises(ModelLoadError, match=r"missing \['model.layers.0.self_attn.qkv_proj"):
+        LLM(str(folder), device="cpu", max_model_len=64, num_kv_blocks=32)
+
+
+def test_a_folder_without_its_manifest_is_not_a_version(tiny_engine, tmp_path):
+    folder = copy_of(tiny_engine, tmp_path)
+    (folder / MANIFEST_NAME).unlink()
+    with pytest.raises(ModelLoadError, match="without its manifest"):
+        resolve_model_source(str(folder))
+    with pytest.raises(ModelLoadError, match="not a complete engine folder"):
+        read_manifest(folder)
+
+
+def test_a_newer_format_says_rebuild(tiny_engine, tmp_path):
+    folder = copy_of(tiny_engine, tmp_path)
+    edit_manifest(folder, lambda d: d.update(engine_format=99))
+    with pytest.raises(ModelLoadError, match="engine format 99.*rebuild it with `lantau build"):
+        read_manifest(folder)
+
+
+def test_dtype_mismatch_and_fp8_and_rebuild(tiny_engine, capsys):
+    from lantau.engine.args import build_engine_config
+
+    with pytest.raises(ValueError, match="built as bfloat16; serve it with --dtype auto"):
+        build_engine_config(str(tiny_engine), dtype="float32")
+    assert main(["build", "random:tiny", "--out", str(tiny_engine / "x"), "--dtype", "fp8"]) == 1
+    assert "fp8: FP8 weight quantization is not available" in capsys.readouterr().err
+    assert main(["build", "random:tiny", "--out", str(tiny_engine)]) == 1
+    assert "versions are immutable" in capsys.readouterr().err
