@@ -221,7 +221,7 @@ def build(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     try:
-        check_dtype_available(args.dtype)  # before torch loads: fp8 is refused at once
+        check_dtype_available(args.dtype)  # a bad name is refused before torch loads
         from lantau.model.build import build_engine
 
         manifest = build_engine(args.src, args.out, dtype=args.dtype, seed=args.seed,

@@ -125,12 +125,24 @@ def test_a_newer_format_says_rebuild(tiny_engine, tmp_path):
         read_manifest(folder)
 
 
-def test_dtype_mismatch_and_fp8_and_rebuild(tiny_engine, capsys):
+def test_fp8_build_loads_the_quantized_weights(tmp_path):
+    """An fp8 engine folder stores e4m3 weights with their row scales and serves the tokens
+    of the same model quantized at load."""
+    out = tmp_path / "tiny" / "1"
+    assert main(["build", "random:tiny", "--out", str(out), "--seed", "7", "--dtype", "fp8"]) == 0
+    manifest = read_manifest(out)
+    assert manifest.dtype == "fp8" and manifest.model_config.quantization == "fp8"
+    qkv = manifest.tensors["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.dtype == "float8_e4m3fn"
+    assert token_ids(str(out)) == token_ids("random:tiny", seed=7, dtype="fp8")
+
+
+def test_dtype_mismatch_and_rebuild(tiny_engine, capsys):
     from lantau.engine.args import build_engine_config
 
     with pytest.raises(ValueError, match="built as bfloat16; serve it with --dtype auto"):
         build_engine_config(str(tiny_engine), dtype="float32")
-    assert main(["build", "random:tiny", "--out", str(tiny_engine / "x"), "--dtype", "fp8"]) == 1
-    assert "fp8: FP8 weight quantization is not available" in capsys.readouterr().err
+    assert main(["build", "random:tiny", "--out", str(tiny_engine / "x"), "--dtype", "fp4"]) == 1
+    assert "--dtype: 'fp4' is not one of" in capsys.readouterr().err
     assert main(["build", "random:tiny", "--out", str(tiny_engine)]) == 1
     assert "versions are immutable" in capsys.readouterr().err

@@ -8,7 +8,6 @@ import dataclasses
 
 from lantau import envs
 from lantau.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
-from lantau.model.manifest import check_dtype_available
 from lantau.model.source import ModelSource, read_model_config, resolve_model_source
 
 # "fp8": bfloat16 activations, e4m3 weights in every decoder linear layer
@@ -106,8 +105,6 @@ def engine_folder_dtype(source: ModelSource, dtype: str) -> str:
     from lantau.model.manifest import read_manifest
 
     built = read_manifest(source.path).dtype
-    if built == "fp8":
-        check_dtype_available("fp8")  # NOTE: refused until FP8 weights land, in one place
     if dtype not in ("auto", built):
         raise ValueError(
             f"dtype: {source.name} was built as {built}; serve it with --dtype auto (or "

@@ -67,7 +67,7 @@ def build_engine(
     source = resolve_model_source(src)
     config = read_model_config(source)
     torch_dtype = torch.bfloat16 if stored_dtype == "fp8" else getattr(torch, stored_dtype)
-    if stored_dtype == "fp8":  # NOTE: reached once check_dtype_available lets fp8 through
+    if stored_dtype == "fp8":
         config = dataclasses.replace(config, quantization="fp8")  # e4m3 linears, bf16 rest
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
