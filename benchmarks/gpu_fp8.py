@@ -28,11 +28,11 @@ import time
 import traceback
 
 import torch
+from _stages import Stages, rel_err
 
-RESULTS: dict = {}
-TABLE: list[tuple[str, str, str]] = []  # (what, figure, comparison)
-START = time.perf_counter()
-BUDGET_S = 480.0
+section = Stages()
+section.budget_s = 480.0  # --budget-s
+RESULTS, TABLE, elapsed = section.results, section.table, section.elapsed
 # more LLM(...) arguments for the fp8 engines (--fp8-engine-args), e.g. the fp8 KV cache's
 FP8_ENGINE_ARGS: dict = {}
 # llama3-8b / -70b projections (N, K); lm_head stays bf16
@@ -65,46 +65,6 @@ TARGETS = {
     "W4-1000": ">= 3,000 tok/s",
 }
 PRELOAD_TILES = [(2, 0, 2, 1), (2, 0, 4, 1), (4, 0, 4, 1), (4, 0, 8, 1), (8, 0, 8, 1)]
-
-
-def elapsed() -> float:
-    return time.perf_counter() - START
-
-
-def section(name: str):
-    """Run the section unless the budget is spent; an exception is printed, recorded and
-    the script goes on."""
-
-    def wrap(fn):
-        def run(*args, **kwargs):
-            if elapsed() > BUDGET_S:
-                print(f"\n=== {name}: SKIPPED, {elapsed():.0f} s spent of {BUDGET_S:.0f}")
-                TABLE.append((name, "skipped", f"budget spent at {elapsed():.0f} s"))
-                return None
-            t = time.perf_counter()
-            print(f"\n=== {name} (at {elapsed():.0f} s)", flush=True)
-            try:
-                out = fn(*args, **kwargs)
-            except Exception as e:  # report and go on: one run should yield all it can
-                traceback.print_exc()
-                RESULTS[name] = {"error": f"{type(e).__name__}: {e}"}
-                TABLE.append((name, "FAILED", f"{type(e).__name__}: {str(e)[:70]}"))
-                out = None
-            print(f"=== {name}: {time.perf_counter() - t:.1f} s", flush=True)
-            gc.collect()
-            torch.cuda.empty_cache()
-            return out
-
-        return run
-
-    return wrap
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 @section("ceilings")
@@ -268,7 +228,7 @@ def fp8_8b(ref: dict, counts: dict[str, int]) -> None:
     defaults = {"W3-128": 30000, "W3-1000": 3000, "W3-2048": 3000}
     for spec in ("W3-128", "W3-1000", "W3-2048"):
         label = spec.replace("W3-", "W3-fp8-")
-        if elapsed() > BUDGET_S - 200:  # leave the 70B its time
+        if elapsed() > section.budget_s - 200:  # leave the 70B its time
             TABLE.append((label, "skipped", f"budget at {elapsed():.0f} s"))
             continue
         try:
@@ -310,7 +270,7 @@ def w4(counts: dict[str, int]) -> None:
     TABLE.append(("llama3-70b fp8 engine", f"up in {start_s:.0f} s", f"{blocks} KV blocks"))
     run_workload(llm, "in:128/out:512", 1, "W4-bs1", 1)
     for spec, label, default_n in (("W3-128", "W4-128", 30000), ("W3-1000", "W4-1000", 3000)):
-        if elapsed() > BUDGET_S - 30:
+        if elapsed() > section.budget_s - 30:
             TABLE.append((label, "skipped", f"budget at {elapsed():.0f} s"))
             continue
         n = counts[label]
@@ -335,7 +295,7 @@ def sweep() -> None:
 
     results = {}
     for name, (n, k) in {**SHAPES_8B, **SHAPES_70B}.items():
-        if elapsed() > BUDGET_S + 40:
+        if elapsed() > section.budget_s + 40:
             TABLE.append((f"sweep {name}", "skipped", f"budget at {elapsed():.0f} s"))
             continue
         copies = max(2, (1 << 30) // (n * k))  # about 1 GB of fp8 weights
@@ -397,9 +357,11 @@ def parse_counts(spec: str) -> dict[str, int]:
 
 
 def main() -> None:
-    global BUDGET_S, FP8_ENGINE_ARGS
+    global FP8_ENGINE_ARGS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="start no section after")
+    parser.add_argument(
+        "--budget-s", type=float, default=section.budget_s, help="start no section after"
+    )
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
     parser.add_argument(
         "--counts", default="", help="request counts, e.g. W3-128=4608,W3-1000=768,W4-1000=128"
@@ -410,7 +372,7 @@ def main() -> None:
         help='JSON of more LLM() arguments for the fp8 engines, e.g. \'{"kv_cache_dtype": "fp8"}\'',
     )
     args = parser.parse_args()
-    BUDGET_S = args.budget_s
+    section.budget_s = args.budget_s
     FP8_ENGINE_ARGS = json.loads(args.fp8_engine_args)
     skip = set(args.skip.split(","))
     counts = parse_counts(args.counts)

@@ -19,12 +19,12 @@ import gc
 import json
 import os
 import time
-import traceback
 
 import torch
+from _stages import Stages, rel_err
 
-RESULTS: dict = {}
-TABLE: list[tuple[str, str, str]] = []  # (what, figure, comparison)
+stage = Stages()
+RESULTS, TABLE = stage.results, stage.table
 FP8 = torch.float8_e4m3fn
 # llama3-8b's attention: query heads, kv heads, head_dim; the engine's block size
 HQ, HK, D, BS = 32, 8, 128, 16
@@ -33,33 +33,6 @@ DEV, MODEL, VOCAB = "cuda", "random:llama3-8b", 128256
 MIXED_NUM_Q = [512, 300, 64, 1, 1, 1, 1, 1]  # a mixed batch: prefills, a continuation, decodes
 MIXED_SEQ = [512, 1324, 2112, 4000, 37, 1, 900, 2048]
 DECODE_CHECKS = ((128, 2048), (8, 32768))  # (requests, context) of the decode checks
-
-
-def stage(name):
-    def wrap(fn):
-        def run(*args, **kwargs):
-            t = time.perf_counter()
-            print(f"\n=== {name}", flush=True)
-            try:
-                fn(*args, **kwargs)
-            except Exception as e:  # report and go on: one run should yield all it can
-                traceback.print_exc()
-                RESULTS[name] = {"error": f"{type(e).__name__}: {e}"}
-                TABLE.append((name, "FAILED", str(e)[:60]))
-            print(f"=== {name}: {time.perf_counter() - t:.1f}s", flush=True)
-            gc.collect()
-            torch.cuda.empty_cache()
-
-        return run
-
-    return wrap
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def to_fp8(kv: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:

@@ -14,41 +14,12 @@ import gc
 import json
 import os
 import time
-import traceback
 
 import torch
+from _stages import Stages, rel_err
 
-RESULTS: dict = {}
-TABLE: list[tuple[str, str, str]] = []  # (what, figure, comparison)
-
-
-def stage(name):
-    def wrap(fn):
-        def run(*args, **kwargs):
-            t = time.perf_counter()
-            print(f"\n=== {name}", flush=True)
-            try:
-                out = fn(*args, **kwargs)
-            except Exception as e:  # report and go on: one run should yield all it can
-                traceback.print_exc()
-                RESULTS[name] = {"error": f"{type(e).__name__}: {e}"}
-                TABLE.append((name, "FAILED", str(e)[:60]))
-                out = None
-            print(f"=== {name}: {time.perf_counter() - t:.1f}s", flush=True)
-            gc.collect()
-            torch.cuda.empty_cache()
-            return out
-
-        return run
-
-    return wrap
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+stage = Stages()
+RESULTS, TABLE = stage.results, stage.table
 
 
 @stage("kernels")
