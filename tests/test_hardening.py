@@ -395,7 +395,9 @@ def test_startup_is_reported_by_stage(shared):
     """The time from `lantau serve` to ready, and where it went: the frontend's config, then
     the tokenizer loading while the engine core's process starts, with the stages the core
     timed (CUDA adds the graphs and the warm-up)."""
-    stages = shared.status()["startup_s"]
+    status = shared.status()
+    assert status["kv_cache_dtype"] == "auto" and status["num_kv_blocks"] > 0
+    stages = status["startup_s"]
     assert list(stages)[:6] == ["total", "config", "tokenizer", "engine_core", "weights",
                                 "kv_profile"]  # fmt: skip
     assert all(seconds >= 0 for seconds in stages.values())

@@ -50,6 +50,7 @@ class EchoEngine:
         self.queues: dict[str, asyncio.Queue] = {}
         self.stats = StepStats()
         self.num_blocks = 0
+        self.kv_cache_dtype = "none"  # no KV cache
         self.dead: str | None = None
         self.process = _ThisProcess()
         self.startup_s: dict[str, float] = {}

@@ -167,6 +167,10 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
 
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.config.cache.kv_cache_dtype
+
     def is_ready(self, max_silence_s: float) -> bool:
         """Model loaded, the process alive, and the core heard from recently."""
         if self.dead is not None or not self.process.is_alive():

@@ -169,7 +169,7 @@ def build_app(
         if engine is not None:
             stats.update(
                 num_kv_blocks=engine.num_blocks,
-                kv_cache_dtype=engine.config.cache.kv_cache_dtype,
+                kv_cache_dtype=engine.kv_cache_dtype,
                 engine_pid=engine.process.pid,
                 startup_s=engine.startup_s,
             )

@@ -56,22 +56,19 @@ class ModelRepository:
 
     def versions(self, name: str) -> list[int]:
         """Complete versions (a manifest written), oldest first; half-written ones are not."""
-        folder = self.model_dir(name)
-        if not folder.is_dir():
-            return []
-        return sorted(
-            int(p.name)
-            for p in folder.iterdir()
-            if p.name.isdigit() and int(p.name) > 0 and is_engine_folder(p)
-        )
+        return self._versions(name, complete=True)
 
     def incomplete_versions(self, name: str) -> list[int]:
         """Version folders without a manifest (a build still writing, or one that failed)."""
+        return self._versions(name, complete=False)
+
+    def _versions(self, name: str, complete: bool) -> list[int]:
         folder = self.model_dir(name)
         if not folder.is_dir():
             return []
         return sorted(
             int(p.name)
             for p in folder.iterdir()
-            if p.is_dir() and p.name.isdigit() and not is_engine_folder(p)
-        )
+            if p.is_dir() and p.name.isdigit() and int(p.name) > 0
+            and is_engine_folder(p) == complete
+        )  # fmt: skip
