@@ -194,14 +194,19 @@ except httpx.HTTPError:
 # -- the drain timeout holds; a second signal ends the server at once --------------------
 
 
-async def _stream_events(base: str, max_tokens: int) -> list[str]:
+async def _stream_events(base: str, max_tokens: int, events: list[str] | None = None) -> list[str]:
+    """A stream's SSE data lines, appended to `events` as they come (and returned)."""
+    events = [] if events is None else events
     body = {"prompt": "Count:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     async with (
         httpx.AsyncClient(timeout=120) as client,
         client.stream("POST", f"{base}/v1/completions", json=body) as r,
     ):
         assert r.status_code == 200
-        return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+    return events
 
 
 def _drain_run(server: Server, signals: int, num_streams: int = 6) -> tuple[list, float]:
@@ -209,8 +214,10 @@ def _drain_run(server: Server, signals: int, num_streams: int = 6) -> tuple[list
     seconds from the first signal to the server's exit)."""
 
     async def main():
-        tasks = [asyncio.create_task(_stream_events(server.base, 4000)) for _ in range(num_streams)]
-        while server.status()["num_running"] < num_streams:
+        streams: list[list[str]] = [[] for _ in range(num_streams)]
+        tasks = [asyncio.create_task(_stream_events(server.base, 4000, s)) for s in streams]
+        # every stream well under way (however busy the machine) before the first signal
+        while server.status()["num_running"] < num_streams or min(map(len, streams)) <= 10:
             await asyncio.sleep(0.05)
         start = time.monotonic()
         for _ in range(signals):
@@ -235,7 +242,7 @@ def test_drain_timeout_ends_the_remaining_streams(make_server):
         assert events[-1] == "data: [DONE]"
         error = orjson.loads(events[-2][6:])["error"]
         assert error["code"] == 503 and "drain timeout (2 s) passed" in error["message"]
-        assert len(events) > 10  # it streamed before the timeout ended it
+        assert len(events) > 12  # the tokens it streamed, then the error and [DONE]
 
 
 def test_second_sigterm_ends_the_server_at_once(make_server):
@@ -272,7 +279,9 @@ def test_health_answers_while_the_largest_prompt_is_tokenized(shared):
     response, latencies = asyncio.run(main())
     assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
     assert len(latencies) >= 5, "the prompt was handled too fast to measure anything"
-    assert max(latencies) < 0.1, f"/health took {max(latencies):.3f} s"
+    # tokenizing it on the event loop stalls /health for seconds; a busy 2-core machine (two
+    # test workers) adds tens of ms
+    assert max(latencies) < 0.25, f"/health took {max(latencies):.3f} s"
 
     # past the bound: refused at once, without tokenizing
     t0 = time.perf_counter()
