@@ -170,6 +170,17 @@ def test_tritonclient_repository_calls(server):
     assert {"name": "tiny", "version": "1", "state": "READY"} in models
     assert http.get_model_metadata("tiny")["versions"] == ["1"]
     assert grpc.get_model_metadata("tiny").versions == ["1"]
+    # the model's config is its config.pbtxt as read, over lantau's (whose tensors stay)
+    config = http.get_model_config("tiny")
+    assert config["max_batch_size"] == 32 and config["backend"] == "lantau"
+    assert config["dynamic_batching"]["preferred_batch_size"] == [8, 16, 32]
+    assert config["instance_group"][0]["count"] == 2
+    assert config["parameters"]["num_kv_blocks"]["string_value"] == "64"
+    assert config["input"][0]["name"] == "text_input"
+    config = grpc.get_model_config("tiny").config
+    assert config.max_batch_size == 32 and config.model_transaction_policy.decoupled
+    assert list(config.dynamic_batching.preferred_batch_size) == [8, 16, 32]
+    assert config.parameters["max_model_len"].string_value == "256"
     ready = httpx.post(f"{server.base}/v2/repository/index", json={"ready": True}).json()
     assert [m["name"] for m in ready] == ["tiny"]
     # KServe inference names the version that served it; an unloaded version is NOT_FOUND

@@ -301,7 +301,9 @@ class KServeModel:
         }
 
     def config(self) -> dict:
-        """Triton's model config (model_config.proto field names, as Triton's HTTP shows it)."""
+        """Triton's model config (model_config.proto field names, as Triton's HTTP shows it):
+        lantau's, with the fields of the model's config.pbtxt over it (its tensors stay
+        lantau's: they are what the routes take)."""
         inputs = [
             {
                 "name": s.name,
@@ -311,7 +313,7 @@ class KServeModel:
             }
             for s in INPUT_SPECS.values()
         ]
-        return {
+        config = {
             "name": self.name,
             "platform": "",
             "backend": "lantau",
@@ -323,6 +325,10 @@ class KServeModel:
             "model_transaction_policy": {"decoupled": True},
             "parameters": {"max_model_len": {"string_value": str(self.engine.max_model_len)}},
         }
+        given = self.served.config_fields()
+        parameters = {**given.get("parameters", {}), **config["parameters"]}
+        return {**config, **given, "input": inputs, "output": config["output"],
+                "parameters": parameters}  # fmt: skip
 
     def build_job(
         self, inputs: list[Tensor], parameters: dict, client_id: str = "", version: str = ""

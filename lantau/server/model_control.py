@@ -155,6 +155,9 @@ class RepoModel(ServedModel):
     def versions(self) -> list[str]:
         return [str(v) for v in sorted(self.loaded, reverse=True)]
 
+    def config_fields(self) -> dict:
+        return self.config.given if self.config is not None else {}
+
     def is_ready(self) -> bool:
         if not self.gate.is_set():  # a drain-first swap: requests wait, they are not refused
             return True

@@ -35,6 +35,11 @@ class ServedModel:
     def is_ready(self) -> bool:
         raise NotImplementedError
 
+    def config_fields(self) -> dict:
+        """The fields of its Triton model config (config.pbtxt) as read, in Triton's JSON
+        form; none for a model served without one."""
+        return {}
+
     def generate(
         self,
         request_id: str,

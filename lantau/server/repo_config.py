@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
 CONFIG_NAME = "config.pbtxt"
@@ -107,6 +107,8 @@ class RepoModelConfig:
     warmup_canary: bool = True  # one request through a new version before it takes traffic
     canary: CanaryPolicy = CanaryPolicy()
     ignored: tuple[str, ...] = ()  # fields given and ignored (logged once)
+    # the file's fields as Triton's model-config JSON shows them (what get_model_config returns)
+    given: dict = field(default_factory=dict)
 
 
 def parse_config_text(text: str, path: Path | str, folder_name: str) -> RepoModelConfig:
@@ -135,6 +137,7 @@ def parse_config_text(text: str, path: Path | str, folder_name: str) -> RepoMode
         max_pending_requests=max_pending,
         default_priority=default_priority,
         ignored=tuple(sorted(given & IGNORED_FIELDS)),
+        given=json_format.MessageToDict(msg, preserving_proto_field_name=True),
         **params,
     )
 
