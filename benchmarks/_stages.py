@@ -1,11 +1,13 @@
 """What the GPU scripts share (not a tool): stages that run on their own, a failure printed,
 recorded and passed over so that one call yields all it can; the results and the table they
-fill; the relative error they report."""
+fill, written and printed at the end (`Stages.report`); the relative error they report."""
 
 from __future__ import annotations
 
 import gc
+import json
 import math
+import os
 import time
 import traceback
 
@@ -50,6 +52,14 @@ class Stages:
             return run
 
         return wrap
+
+    def report(self, filename: str) -> None:
+        """The results as JSON in $OUT/filename, then the table, printed last."""
+        with open(os.path.join(os.environ.get("OUT", "."), filename), "w") as f:
+            json.dump(self.results, f, indent=1)
+        print("\n| what | figure | comparison |\n| --- | --- | --- |")
+        for row in self.table:
+            print(f"| {' | '.join(row)} |")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

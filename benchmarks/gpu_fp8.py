@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import time
 import traceback
 
@@ -392,11 +391,8 @@ def main() -> None:
         if name == "fp8-8b":
             ref.clear()
     RESULTS["total_s"] = elapsed()
-    with open(os.path.join(os.environ.get("OUT", "."), "gpu_fp8.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
-    print(f"\ntotal {elapsed():.0f} s\n| what | figure | comparison |\n| --- | --- | --- |")
-    for row in TABLE:
-        print(f"| {' | '.join(row)} |")
+    print(f"\ntotal {elapsed():.0f} s")
+    section.report("gpu_fp8.json")
 
 
 if __name__ == "__main__":

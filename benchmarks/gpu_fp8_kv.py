@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import time
 
 import torch
@@ -310,11 +309,7 @@ def main() -> None:
         decode_timing(sizes)
     if "engines" not in skip:
         engines(args.w3_prompts)
-    with open(os.path.join(os.environ.get("OUT", "."), "gpu_fp8_kv.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
-    print("\n| what | figure | comparison |")
-    for row in TABLE:
-        print(f"| {' | '.join(row)} |")
+    stage.report("gpu_fp8_kv.json")
 
 
 if __name__ == "__main__":

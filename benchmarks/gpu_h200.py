@@ -336,12 +336,7 @@ def main() -> None:
         hf_peers(args.peer_prompts_w5)
     if "workloads" not in skip:
         workloads(args.w3_scale)
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "gpu_h200.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
-    print("\n| what | figure | comparison |")
-    for row in TABLE:
-        print(f"| {' | '.join(row)} |")
+    stage.report("gpu_h200.json")
 
 
 if __name__ == "__main__":

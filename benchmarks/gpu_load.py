@@ -24,12 +24,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from gpu_serve import free_port, launch_until_ready
 
 GB = 1e9
 
@@ -182,12 +183,6 @@ print(json.dumps({"seconds": time.perf_counter() - start, "how": how,
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def gpu_memory_used() -> float | None:
     """Bytes used on GPU 0 (NVML), or None without it."""
     try:
@@ -218,21 +213,8 @@ def serve_to_ready(python: str, repo: Path, log_path: Path, extra: list[str]) ->
            "--model-control-mode", "explicit", "--load-model", "llama", "--port", str(port),
            "--grpc-port", "0", *extra]  # fmt: skip
     memory = {"before_serve": gpu_memory_used()}
-    with open(log_path, "w") as log:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc, ready_s = launch_until_ready(cmd, port, log_path)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"lantau serve exited with {proc.returncode}: see {log_path}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        ready_s = time.perf_counter() - start
         with urllib.request.urlopen(f"{base}/status", timeout=10) as r:
             status = json.loads(r.read())
         memory["served"] = gpu_memory_used()

@@ -35,12 +35,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, extra: list[str], log_path: Path):
-    cmd = [sys.executable, "-m", "lantau.cli", "serve", model, "--port", str(port),
-           "--grpc-port", "0", *extra]  # fmt: skip
-    log = open(log_path, "w")  # noqa: SIM115 - the server's whole life
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+def launch_until_ready(cmd: list[str], port: int, log_path: Path):
+    """Start a server (output to log_path) and wait for its /health on port: (the process,
+    seconds from spawn to ready). Also gpu_load.py's."""
+    with open(log_path, "w") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode}: see {log_path}")
@@ -50,7 +50,13 @@ def start_server(model: str, port: int, extra: list[str], log_path: Path):
                     return proc, time.perf_counter() - start
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
+
+
+def start_server(model: str, port: int, extra: list[str], log_path: Path):
+    cmd = [sys.executable, "-m", "lantau.cli", "serve", model, "--port", str(port),
+           "--grpc-port", "0", *extra]  # fmt: skip
+    return launch_until_ready(cmd, port, log_path)
 
 
 def serve_runs(base: str, specs: list[str]) -> list[dict]:
