@@ -68,6 +68,8 @@ class MixedGraphRunner:
         # two pinned host copies, used in turn: one is restaged only once its copy is done
         pin = device.type == "cuda"
         self._host = [torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        # each host copy's numpy views, made once: staging writes through them every step
+        self._host_views = [tuple(v.numpy() for v in self._views(h)) for h in self._host]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -126,7 +128,7 @@ class MixedGraphRunner:
         host = self._host[self._turn]
         if self._copied[self._turn] is not None:
             self._copied[self._turn].synchronize()  # two steps ago: long done
-        ids, pos, slots, qsl, lens, tables = (v.numpy() for v in self._views(host))
+        ids, pos, slots, qsl, lens, tables = self._host_views[self._turn]
         n, k, r = len(inputs.input_ids), inputs.num_reqs, min(num_tokens, self.max_reqs)
         ids[:n], pos[:n], slots[:n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
         ids[n:num_tokens] = pos[n:num_tokens] = 0
