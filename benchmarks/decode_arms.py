@@ -48,7 +48,7 @@ ARMS = {  # name -> [(label, KernelConfig)]; the first arm of each is the defaul
         ("default", DEFAULT),
         ("no PDL", arm(enable_pdl=False)),
         ("no SiLU in gate_up's GEMV", arm(enable_gate_silu=False)),
-        ("no GEMV preload", arm(gemv_preload_max_k=0)),
+        ("no GEMV preload", arm(gemv_preload_max_bytes=0)),
         ("cuBLAS at batch 1", arm(enable_gemv=False)),
         ("chunked merge for small batches", arm(attn_small_merge=AttnMerge.CHUNKED)),
     ],

@@ -83,7 +83,7 @@ def ceilings() -> None:
 @section("kernels")
 def kernels() -> None:
     """Each 8B projection with weights N(0, 0.02) quantized: the fp8 GEMV (as the model calls
-    it: preload up to K 4,096) and `_scaled_mm` (x quantized by the kernel) against the
+    it: preload up to K 8,192) and `_scaled_mm` (x quantized by the kernel) against the
     dequantized fp32 product (x quantized too for _scaled_mm), and both against the bf16
     weights' product (fp8's own error)."""
     from lantau.kernels import fp8_quant
@@ -98,7 +98,7 @@ def kernels() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         dequantized = gemv_ref(x, wq, weight_scale=ws)
         exact = gemv_ref(x, w)
-        y_gemv = gemv(x, wq, weight_scale=ws, preload=k <= 4096)
+        y_gemv = gemv(x, wq, weight_scale=ws, preload=k <= 8192)
         xq, xs = fp8_quant.quantize_rows(x)
         y_mm = torch._scaled_mm(
             xq, wq.t(), scale_a=xs[:, None], scale_b=ws[None, :], out_dtype=torch.bfloat16
@@ -305,10 +305,11 @@ def sweep() -> None:
         xs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in wide]
         ref = gemv_ref(xs[0], quant[0][0], weight_scale=quant[0][1])
         fp8_gb, bf16_gb = copies * n * (k + 4) / 1e6, copies * n * k * 2 / 1e6  # / ms: GB/s
-        preload = k <= 4096  # as the model calls it (KernelConfig.gemv_preload_max_k)
-        base = preload_config(n, k) if preload else default_config(n, k)
+        # rows of at most 8 KB preload, as the model calls it (KernelConfig.gemv_preload_max_bytes)
+        preload, bf16_preload = k <= 8192, k <= 4096
+        base = preload_config(n, k) if bf16_preload else default_config(n, k)
 
-        def bf16_run(wide=wide, xs=xs, preload=preload):
+        def bf16_run(wide=wide, xs=xs, preload=bf16_preload):
             return [gemv(x, w, preload=preload) for x, w in zip(xs, wide, strict=True)]
 
         row = {"bf16 default": bf16_gb / graph_ms(bf16_run)}

@@ -210,9 +210,10 @@ class KernelConfig:
     enable_gemv: bool = True
     # batch 1: the SiLU-and-mul in gate_up's GEMV epilogue
     enable_gate_silu: bool = True
-    # batch-1 GEMVs with K up to this load each program's weights at once, before the PDL wait
-    # (0: none); longer rows (down_proj's 14,336) loop over K
-    gemv_preload_max_k: int = 4096
+    # batch-1 GEMVs whose weight rows are at most this many bytes (bf16 K = 4,096, e4m3 K =
+    # 8,192) load each program's weights at once, before the PDL wait (0: none); longer rows
+    # (down_proj's) loop over K
+    gemv_preload_max_bytes: int = 8192
     # ((N, K), tile) pairs replacing gemv.default_config / gemv.preload_config for that shape
     gemv_tiles: tuple[tuple[tuple[int, int], Tile], ...] = ()
     preload_tiles: tuple[tuple[tuple[int, int], Tile], ...] = ()

@@ -122,6 +122,35 @@ def test_fp8_gemv_matches_reference(n, k, gated):
         gemv(x, w, b)  # e4m3 without its scales
 
 
+@pytest.mark.usefixtures("interpreter_bf16_dot")
+def test_batch1_gemv_preloads_rows_of_up_to_8kb(monkeypatch):
+    """The triton backend preloads a batch-1 GEMV's weights by a row's bytes: an e4m3 row of
+    K = 8,192 (the 70B's projections) is 8 KB and preloads, as a bf16 row of 4,096 does; a bf16
+    row of 8,192 loops over K. Each result against the reference."""
+    from lantau.kernels import gemv as gemv_module
+    from lantau.model.ops import TritonOps
+
+    preloads = []
+    original = gemv_module.gemv
+
+    def spying_gemv(*args, **kwargs):
+        preloads.append(kwargs.get("preload", False))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gemv_module, "gemv", spying_gemv)
+    gen = torch.Generator().manual_seed(8)
+    ops = TritonOps()
+    fp8_layer, _ = make_fp8_layer(6, 8192, False, gen)
+    with _default_dtype(torch.bfloat16):
+        bf16_layers = [torch.nn.Linear(k, 6, bias=False) for k in (4096, 8192)]
+    for layer in [fp8_layer, *bf16_layers]:
+        x = torch.randn(1, layer.weight.shape[1], generator=gen).to(torch.bfloat16)
+        scale = getattr(layer, "weight_scale", None)
+        ref = gemv_ref(x, layer.weight.detach(), weight_scale=scale)
+        assert rel_err(ops.linear(x, layer), ref) < 2e-2
+    assert preloads == [True, True, False]
+
+
 def test_load_quantizes_each_weight_and_random_draws_match_bf16(tiny_llama_dir):
     """A bf16 checkpoint read with dtype="fp8": every decoder projection is e4m3 with one scale
     a row, within fp8's error of the checkpoint's weight; embedding, norms and lm_head stay

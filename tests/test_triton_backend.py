@@ -36,17 +36,17 @@ def test_triton_backend_matches_torch(tiny_llama_dir):
 
 @pytest.mark.parametrize(
     # each switch on and off once: the default path, and both off
-    ("gate_silu", "preload_max_k"),
-    [(True, 4096), (False, 0)],
+    ("gate_silu", "preload_max_bytes"),
+    [(True, 8192), (False, 0)],
 )
 def test_triton_backend_small_batches_take_the_gemv_kernel(
-    tiny_llama_dir, monkeypatch, gate_silu, preload_max_k
+    tiny_llama_dir, monkeypatch, gate_silu, preload_max_bytes
 ):
     """Batch-1 steps run every projection through the GEMV kernel (gate_up's with the
     SiLU-and-mul in its epilogue with enable_gate_silu; each program's weights loaded at once
-    when K is within gemv_preload_max_k), with the torch backend's tokens and logits; decode
-    steps of up to attn_small_rows rows rotate and write the KV cache inside the attention
-    launch (no rotary launch), prefill steps keep the rotary kernel."""
+    when a weight row is within gemv_preload_max_bytes), with the torch backend's tokens and
+    logits; decode steps of up to attn_small_rows rows rotate and write the KV cache inside
+    the attention launch (no rotary launch), prefill steps keep the rotary kernel."""
     from lantau.kernels import decode_attention, gemv, rotary
 
     calls, rotary_rows, rope_rows = [], [], []
@@ -70,11 +70,11 @@ def test_triton_backend_small_batches_take_the_gemv_kernel(
     monkeypatch.setattr(gemv, "gemv", counting_gemv)
     monkeypatch.setattr(rotary, "apply_rotary_and_write_kv", counting_rotary)
     monkeypatch.setattr(decode_attention, "paged_decode_attention", counting_attn)
-    kernels = KernelConfig(enable_gate_silu=gate_silu, gemv_preload_max_k=preload_max_k)
+    kernels = KernelConfig(enable_gate_silu=gate_silu, gemv_preload_max_bytes=preload_max_bytes)
     results = _small_batches_both_backends(tiny_llama_dir, kernels, seed=5)
     assert calls and {c[0] for c in calls} == {1}  # batch 1 only
-    # every K of the tiny model is within 4096
-    assert {c[1:] for c in calls} == {(g, preload_max_k > 0) for g in {False, gate_silu}}
+    # every row of the tiny model is within 8 KB
+    assert {c[1:] for c in calls} == {(g, preload_max_bytes > 0) for g in {False, gate_silu}}
     assert set(rope_rows) == {1, 3}  # decode steps of one and three requests
     assert rotary_rows and all(rows > 3 for rows in rotary_rows)  # prefills only
     _assert_same_tokens_and_logits(results)

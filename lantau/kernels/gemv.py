@@ -85,15 +85,16 @@ def _gemv_kernel(
 
 
 # preload: the longest row a program loads at once (BLOCK_N * 16384 over its threads); the
-# model takes it up to KernelConfig.gemv_preload_max_k
+# model takes it up to KernelConfig.gemv_preload_max_bytes a row
 PRELOAD_MAX_K = 16384
 
 
-def preload_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the preload, from an H200 sweep of 5 tiles: 4 rows
-    a program; 8 warps for lm_head's 128k rows, 4 for the rest. Rows past 4096: 2 rows over
-    8 warps, 64 registers of weights a thread as at K = 4096."""
-    if k > 4096:
+def preload_config(n: int, k: int, itemsize: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the preload, from H200 sweeps of 5 tiles, by a
+    row's bytes: up to 8 KB (bf16 K = 4096, e4m3 K = 8192: the 70B's) 4 rows a program, 8 warps
+    for lm_head's 128k rows, 4 for the rest; longer rows 2 rows over 8 warps, the registers a
+    thread holds as at 8 KB."""
+    if k * itemsize > 8192:
         return 2, 8, 1
     return (4, 8, 1) if n >= 65536 else (4, 4, 1)
 
@@ -155,7 +156,9 @@ def gemv(
     block_n, block_k, num_warps, num_stages = config or default_config(n, k)
     if preload:
         assert k <= PRELOAD_MAX_K, f"preload serves K <= {PRELOAD_MAX_K}, got {k}"
-        block_n, num_warps, num_stages = (block_n, num_warps, 1) if config else preload_config(n, k)
+        block_n, num_warps, num_stages = (
+            (block_n, num_warps, 1) if config else preload_config(n, k, weight.element_size())
+        )
         block_k = triton.next_power_of_2(k)
     if gated:
         block_n = max(block_n, 2)  # a gate row and its up row, at least

@@ -134,7 +134,7 @@ class TritonOps(_Compositions):
         shape = tuple(layer.weight.shape)
         w, b = layer.weight, layer.bias
         kw = dict(gated=gated, use_pdl=self._pdl, weight_scale=getattr(layer, "weight_scale", None))
-        if shape[1] <= self.config.gemv_preload_max_k:
+        if shape[1] * w.element_size() <= self.config.gemv_preload_max_bytes:
             return self._gemv.gemv(x, w, b, self._preload_tiles.get(shape), preload=True, **kw)
         return self._gemv.gemv(x, w, b, self._gemv_tiles.get(shape), **kw)
 
