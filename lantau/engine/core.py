@@ -7,8 +7,7 @@ step() with overlapped scheduling (the default), step N in flight on the device:
 
 so the host schedules and prepares step N+1, and turns step N's tokens into outputs, while the
 device runs. Without it (`async_scheduling=False`): schedule -> launch -> sample -> collect ->
-update, one step at a time. A served engine may call step() late: `schedule_at` (see
-lantau/engine/pacer.py).
+update, one step at a time.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import torch
 
 from lantau.config import EngineConfig
 from lantau.engine.args import resolve_device
-from lantau.engine.pacer import StepPacer, step_key
 from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
 from lantau.model.loader import ModelSource, build_model
@@ -75,7 +73,6 @@ class EngineCore:
         # the step on the device whose tokens have not been collected yet
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._collected_early: list[EngineCoreOutput] = []  # see add_request
-        self.pacer = StepPacer()  # the overlapped steps' device times, for schedule_at
         if self.device.type == "cuda" and not config.enforce_eager:
             if config.attention_backend != "triton":
                 raise ValueError("CUDA graphs need attention_backend='triton' (or enforce_eager)")
@@ -119,17 +116,9 @@ class EngineCore:
             or bool(self._collected_early)
         )
 
-    def schedule_at(self) -> float | None:
-        """The time.monotonic() at which to call step() next so that it launches just as
-        the step in flight ends (requests arriving until then join it); None: at once."""
-        if not self.async_scheduling or self.scheduler.num_waiting:
-            return None  # NOTE: with requests waiting for room, arrivals gain nothing
-        return self.pacer.schedule_at()
-
     def step(self) -> list[EngineCoreOutput]:
         """Advance by one step; returns the outputs of the step that completed (with
         overlapped scheduling, the one launched by the previous call)."""
-        started = time.monotonic()
         out = self.scheduler.schedule()
         self.last_batch_size = len(out.num_scheduled_tokens)
         self.last_num_batched_tokens = out.total_num_scheduled_tokens
@@ -137,9 +126,6 @@ class EngineCore:
         if not self.async_scheduling:
             self.runner.sample(step)
             return self._update(out, step)
-        if step.sample_ids:
-            key = step_key(self.last_batch_size, self.last_num_batched_tokens)
-            self.pacer.launched(key, started, time.monotonic())
         outputs, self._collected_early = self._collected_early, []
         if self._in_flight is not None:
             outputs += self._update(*self._in_flight)
@@ -149,7 +135,5 @@ class EngineCore:
 
     def _update(self, out: SchedulerOutput, step: LaunchedStep) -> list[EngineCoreOutput]:
         result = self.runner.collect(step)
-        if self.async_scheduling and step.sampled is not None:
-            self.pacer.collected(time.monotonic(), step.sampled.waited)
         self.num_generated_tokens += len(result.sampled_token_ids)
         return self.scheduler.update(out, result)

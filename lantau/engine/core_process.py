@@ -150,15 +150,8 @@ def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock) -> None:
     scheduled: dict[str, float] = {}  # first schedulings not sent yet
     last_sent = 0.0
     while os.getppid() == parent:
-        rejected: dict[str, str] = {}
-        schedule_at = core.schedule_at() if core.has_unfinished_requests else None
-        if schedule_at is not None:  # take requests until the step in flight nearly ends
-            while (remaining := schedule_at - time.monotonic()) > 0:
-                if in_sock.poll(int(remaining * 1000)):
-                    _handle(core, decoder.decode(in_sock.recv()), rejected)
-                elif remaining < 1e-3:  # poll's timeout is in whole milliseconds
-                    time.sleep(remaining)
         timeout_ms = 0 if core.has_unfinished_requests else int(HEARTBEAT_S * 1000)
+        rejected: dict[str, str] = {}
         while in_sock.poll(timeout_ms):
             _handle(core, decoder.decode(in_sock.recv()), rejected)
             timeout_ms = 0
