@@ -5,6 +5,11 @@ the same call for comparison (`lantau bench offline`, after the server has exite
     python benchmarks/gpu_serve.py --runs W1:16:500,W1:inf:500,W1:16:500,W1:2:120,W5:inf:256 \
         --offline in:467/out:256:500,W5:256 --out $OUT
 
+--profile-core SECONDS samples the engine core process with py-spy (on PATH; its wheel can ride
+in .whl) through the start of the first run, every thread and idle time included, and writes
+core_profile.txt (py-spy's raw stacks) and core_profile.md: where the core's main loop spends
+its time, by the loop's own call and by the innermost frame.
+
 A run is WORKLOAD:RATE:NUM_REQUESTS[:CONCURRENCY] (W2 through the server:
 random:128/512:inf:3:1, three requests one at a time). On the H200 image the serving packages
 come as wheels (.whl) and the default model's tokenizer as a metadata-only GGUF (.gl, made by
@@ -110,6 +115,42 @@ def engine_figures(server_metrics: dict) -> dict:
     }
 
 
+def start_core_profile(server: subprocess.Popen, seconds: float, out: Path):
+    """py-spy on the server's engine core (its child running multiprocessing's spawn_main)."""
+    children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True)
+    for pid in children.stdout.split():
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            cmd = ["py-spy", "record", "-p", pid, "-d", str(int(seconds)), "-r", "500", "--idle",
+                   "--nonblocking", "-f", "raw", "-o", str(out / "core_profile.txt")]  # fmt: skip
+            return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    raise SystemExit(f"no engine core among the server's children {children.stdout.split()}")
+
+
+def summarize_core_profile(raw: Path) -> str:
+    """Shares of the main loop's samples: by the loop's call (the frame under _busy_loop)
+    and by innermost frame."""
+    by_call, by_leaf, total = {}, {}, 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        loop = [i for i, f in enumerate(frames) if f.startswith("_busy_loop ")]
+        if not loop:
+            continue
+        total += int(count)
+        call = frames[loop[0] + 1] if loop[0] + 1 < len(frames) else frames[loop[0]]
+        by_call[call] = by_call.get(call, 0) + int(count)
+        by_leaf[frames[-1]] = by_leaf.get(frames[-1], 0) + int(count)
+    lines = [f"{total} samples of the core's main loop", "", "| share | the loop's call |",
+             "| --- | --- |"]  # fmt: skip
+    for name, table in (("call", by_call), ("leaf", by_leaf)):
+        if name == "leaf":
+            lines += ["", "| share | innermost frame |", "| --- | --- |"]
+        for frame, n in sorted(table.items(), key=lambda kv: -kv[1])[:15]:
+            lines.append(f"| {100 * n / max(total, 1):.1f} % | {frame} |")
+    return "\n".join(lines)
+
+
 def offline_runs(model: str, specs: list[str], out: Path) -> list[dict]:
     rows = []
     for spec in specs:
@@ -129,14 +170,21 @@ def main() -> None:
     p.add_argument("--runs", default="W1:16:500,W1:inf:500,W1:16:500,W1:2:120,W5:inf:256")
     p.add_argument("--offline", default="in:467/out:256:500,W5:256")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--profile-core", type=float, default=0, help="seconds of py-spy on the core")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     proc, ready_s = start_server(args.model, port, args.server_args.split(), out / "server.log")
     print(f"server ready in {ready_s:.1f} s", flush=True)
+    profiler = start_core_profile(proc, args.profile_core, out) if args.profile_core else None
     try:
         served = serve_runs(f"http://127.0.0.1:{port}", args.runs.split(","))
+        if profiler is not None:
+            profiler.wait(timeout=args.profile_core + 60)
+            summary = summarize_core_profile(out / "core_profile.txt")
+            (out / "core_profile.md").write_text(summary + "\n")
+            print(summary, flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
