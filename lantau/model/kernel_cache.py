@@ -199,13 +199,15 @@ def compile_kernels(folder: Path, engine_args: dict) -> dict:
     """Warm up the engine folder as `lantau serve` would (`engine_args`: serve's defaults) in
     a fresh process whose Triton cache is an empty folder, then keep that cache in
     FOLDER/kernels/<key>/; returns its KERNELS.json."""
+    import gc
     import multiprocessing
     import tempfile
     from concurrent.futures import ProcessPoolExecutor
 
     import torch
 
-    if torch.cuda.is_initialized():  # the build's weights: the warm-up sizes its KV as serve's
+    if torch.cuda.is_initialized():  # the build's weights freed: the KV cache sized as served
+        gc.collect()
         torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory(prefix="lantau-kernels-") as cache_dir:
         context = multiprocessing.get_context("spawn")
