@@ -137,3 +137,13 @@ def test_build_compile_kernels_needs_the_gpu(tmp_path, capsys):
     assert main(["build", "random:tiny", "--out", str(out), "--compile-kernels"]) == 1
     assert "--compile-kernels" in capsys.readouterr().err
     assert not out.exists()  # refused before any work
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setattr(kernel_cache, "triton_cache_dir", lambda: blocked / "cache")
+    monkeypatch.setattr(kernel_cache, "machine_key", lambda device="cuda": KEY)
+    with caplog.at_level(logging.WARNING, logger="lantau.model.kernel_cache"):
+        assert seed_engine_kernels(engine_with_kernels(tmp_path, KEY), "cuda") == {}
+    assert "seeding Triton's cache" in caplog.text

@@ -76,6 +76,8 @@ def triton_cache_dir() -> Path:
     $TRITON_HOME/.triton/cache (~/.triton/cache), as Triton's own knobs.cache.dir says."""
     from triton import knobs
 
+    if not knobs.cache.dir:  # Triton itself would fail to compile anything
+        raise OSError("Triton has no cache directory (TRITON_CACHE_DIR is empty)")
     return Path(knobs.cache.dir)
 
 
@@ -169,11 +171,11 @@ def seed_engine_kernels(source: ModelSource, device: str) -> dict[str, float]:
                     key.name)  # fmt: skip
         return {}
     start = time.perf_counter()
-    cache_dir = triton_cache_dir()
     try:
+        cache_dir = triton_cache_dir()
         num_copied, num_present = seed_triton_cache(folder / KERNELS_DIR / key.name, cache_dir)
     except OSError as e:  # a cache: serving goes on, compiling what it lacks
-        logger.warning("seeding Triton's cache %s from %s failed: %s", cache_dir, folder, e)
+        logger.warning("seeding Triton's cache from %s failed: %s", folder, e)
         return {}
     seconds = time.perf_counter() - start
     logger.info("Triton cache %s: %d compiled kernel entries copied from %s (%d already there), "
