@@ -54,7 +54,8 @@ def test_key_names_a_safe_folder():
 @no_cuda
 def test_no_key_without_cuda_or_triton(monkeypatch):
     assert machine_key() is None
-    monkeypatch.setitem(sys.modules, "triton", None)  # a CPU install without triton
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", None)  # an install without triton
     assert machine_key() is None
 
 
@@ -127,6 +128,7 @@ def test_no_kernels_or_no_triton_seeds_nothing(tmp_path, monkeypatch, caplog):
         assert seed_engine_kernels(source, "cuda") == {}
     assert "has no compiled kernels" in caplog.text
     monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "triton", None)
     assert seed_engine_kernels(engine_with_kernels(tmp_path, KEY), "cuda") == {}
 

@@ -53,14 +53,14 @@ class KernelKey:
 
 
 def machine_key(device: str = "cuda") -> KernelKey | None:
-    """This machine's key for `device`; None without Triton or CUDA (nothing compiles)."""
+    """This machine's key for `device`; None without CUDA or Triton (nothing compiles)."""
+    import torch
+
+    if not torch.cuda.is_available():  # NOTE: checked first: a CPU engine imports no Triton
+        return None
     try:
         import triton
     except ImportError:
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
         return None
     from lantau.model.build import lantau_version
 
