@@ -16,6 +16,11 @@ load (`build_model` of the engine folder on CUDA, checksums on, then off); (5) H
 load again through the API (warm page cache). Each timed load runs in
 a fresh process whose CUDA context is made before the clock starts. A short table comes last;
 everything is in WORK/w6.json (and $OUT/w6.json with --out). No network is used.
+
+With --compile-kernels the build also keeps the compiled Triton kernels in the engine folder
+(`lantau build --compile-kernels`), and (6) runs twice, each server with an empty Triton cache
+of its own (TRITON_CACHE_DIR=WORK/triton-cache, wiped: a fresh machine): first with the
+folder's kernels/ moved aside (every kernel compiles at start-up), then with them (seeded).
 """
 
 from __future__ import annotations
@@ -58,13 +63,13 @@ def run_child(python: str, code: str, *argv: str, timeout: float = 900) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def build(python: str, model: str, engine_dir: Path, device: str) -> float:
+def build(python: str, model: str, engine_dir: Path, device: str, kernels: bool) -> float:
     if engine_dir.exists():
         shutil.rmtree(engine_dir)
     start = time.perf_counter()
     subprocess.run(
         [python, "-m", "lantau.cli", "build", model, "--out", str(engine_dir), "--dtype", "bf16",
-         "--device", device],
+         "--device", device, *(["--compile-kernels"] if kernels else [])],
         check=True,
     )  # fmt: skip
     return time.perf_counter() - start
@@ -203,17 +208,27 @@ def post(url: str) -> float:
     return time.perf_counter() - start
 
 
-def serve_to_ready(python: str, repo: Path, log_path: Path, extra: list[str]) -> dict:
+def fresh_triton_cache(work: Path) -> dict:
+    """The environment of a server on a fresh machine: an empty Triton cache of its own."""
+    cache = work / "triton-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)
+    return {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+
+
+def serve_to_ready(
+    python: str, repo: Path, log_path: Path, extra: list[str], env: dict | None = None
+) -> dict:
     """`lantau serve REPO` until /health answers 200 (the engine's stages from /status), then
     unload (device memory back to where it was before the server?) and load again (a hot
-    load with the page cache warm)."""
+    load with the page cache warm). `env`: the server's environment (default ours)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [python, "-m", "lantau.cli", "serve", "--model-repository", str(repo),
            "--model-control-mode", "explicit", "--load-model", "llama", "--port", str(port),
            "--grpc-port", "0", *extra]  # fmt: skip
     memory = {"before_serve": gpu_memory_used()}
-    proc, ready_s = launch_until_ready(cmd, port, log_path)
+    proc, ready_s = launch_until_ready(cmd, port, log_path, env)
     try:
         with urllib.request.urlopen(f"{base}/status", timeout=10) as r:
             status = json.loads(r.read())
@@ -228,6 +243,31 @@ def serve_to_ready(python: str, repo: Path, log_path: Path, extra: list[str]) ->
             "reload_s": reload_s, "gpu_memory_bytes": memory}  # fmt: skip
 
 
+def serve_both_ways(args, work: Path, engine_dir: Path, serve_args: list[str]) -> dict:
+    """--compile-kernels: serve from an empty Triton cache without the folder's kernels, then
+    with them; the second is the result's "serve"."""
+    kernels, aside = engine_dir / "kernels", work / "kernels-aside"
+    result = {"kernels": [json.loads(p.read_text()) for p in kernels.glob("*/KERNELS.json")]}
+    shutil.rmtree(aside, ignore_errors=True)
+    kernels.rename(aside)
+    try:
+        result["serve_no_kernels"] = serve_to_ready(
+            args.python, work / "repo", work / "serve-no-kernels.log", serve_args,
+            fresh_triton_cache(work),
+        )  # fmt: skip
+    finally:
+        aside.rename(kernels)
+    drop_page_cache(args.drop_cache)
+    result["serve"] = serve_to_ready(
+        args.python, work / "repo", work / "serve.log", serve_args, fresh_triton_cache(work)
+    )
+    return result
+
+
+def describe_stages(serve: dict) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in serve["stages"].items())
+
+
 def table(result: dict) -> str:
     disk = result["disk_read_parallel"]["seconds"]
     lantau, hf = result["lantau_load"]["seconds"], result.get("hf_load", {}).get("seconds")
@@ -240,6 +280,10 @@ def table(result: dict) -> str:
         ("HF from_pretrained", hf),
         ("lantau serve REPO -> ready", result["serve"]["seconds"]),
     ]
+    no_kernels = result.get("serve_no_kernels")
+    if no_kernels:  # --compile-kernels: both from an empty Triton cache
+        rows[-1] = ("serve -> ready, fresh, kernels", result["serve"]["seconds"])
+        rows.append(("serve -> ready, fresh, none", no_kernels["seconds"]))
     lines = [
         f"W6 {result['model']} bf16, {gb:.1f} GB; cold page cache: {result['cold_cache']}",
         f"{'stage':<30} {'seconds':>8} {'GB/s':>7}",
@@ -247,8 +291,12 @@ def table(result: dict) -> str:
     for name, seconds in rows:
         if seconds is not None:
             lines.append(f"{name:<30} {seconds:>8.2f} {gb / seconds:>7.2f}")
-    stages = ", ".join(f"{k} {v:.1f}" for k, v in result["serve"]["stages"].items())
-    lines.append(f"serve stages (s): {stages}")
+    lines.append(f"serve stages (s): {describe_stages(result['serve'])}")
+    if no_kernels:
+        lines.append(f"serve stages without kernels/ (s): {describe_stages(no_kernels)}")
+        for info in result["kernels"]:
+            lines.append(f"kernels/{info['name']}: {info['num_entries']} Triton cache entries, "
+                         f"{info['num_files']} files")  # fmt: skip
     serve = result["serve"]
     lines.append(f"unload {serve['unload_s']:.1f} s; load again (warm cache, API) "
                  f"{serve['reload_s']:.1f} s")  # fmt: skip
@@ -276,16 +324,28 @@ def main() -> int:
     p.add_argument("--serve-arg", action="append", default=[], help="extra lantau serve args")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     p.add_argument(
+        "--compile-kernels", action="store_true",
+        help="build with --compile-kernels; serve from an empty Triton cache without, then with "
+        "the folder's kernels (CUDA only)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-drop-cache", dest="drop_cache", action="store_false",
         help="leave the page cache (a shared machine): warm-cache figures",
     )  # fmt: skip
     args = p.parse_args()
+    if args.compile_kernels and args.device == "cpu":
+        p.error("--compile-kernels compiles for the GPU: it needs --device cuda")
     work = Path(args.work)
     engine_dir, hf_dir = work / "repo" / "llama" / "1", work / "hf"
     work.mkdir(parents=True, exist_ok=True)
     result: dict = {"model": args.model}
-    if not (args.reuse and (engine_dir / "lantau-engine.json").exists()):
-        result["build_s"] = build(args.python, args.model, engine_dir, args.device)
+    built = (engine_dir / "lantau-engine.json").exists() and (
+        not args.compile_kernels or (engine_dir / "kernels").is_dir()
+    )
+    if not (args.reuse and built):
+        result["build_s"] = build(
+            args.python, args.model, engine_dir, args.device, args.compile_kernels
+        )
         print(f"build: {result['build_s']:.1f} s", flush=True)
     manifest = json.loads((engine_dir / "lantau-engine.json").read_text())
     shards = [str(engine_dir / s) for s in manifest["shards"]]
@@ -314,13 +374,18 @@ def main() -> int:
     serve_args = [*(["--device", "cpu"] if args.device == "cpu" else []), *args.serve_arg]
     if args.device == "cpu":
         serve_args += ["--num-kv-blocks", "64", "--max-model-len", "256"]
-    result["serve"] = serve_to_ready(args.python, work / "repo", work / "serve.log", serve_args)
+    if args.compile_kernels:
+        result.update(serve_both_ways(args, work, engine_dir, serve_args))
+    else:
+        result["serve"] = serve_to_ready(args.python, work / "repo", work / "serve.log", serve_args)
     text = table(result)
     (work / "w6.json").write_text(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         shutil.copy(work / "w6.json", Path(args.out) / "w6.json")
         shutil.copy(work / "serve.log", Path(args.out) / "w6-serve.log")
+        if args.compile_kernels:
+            shutil.copy(work / "serve-no-kernels.log", Path(args.out) / "w6-serve-no-kernels.log")
     print(text)
     return 0
 

@@ -40,12 +40,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_until_ready(cmd: list[str], port: int, log_path: Path):
-    """Start a server (output to log_path) and wait for its /health on port: (the process,
-    seconds from spawn to ready). Also gpu_load.py's."""
+def launch_until_ready(cmd: list[str], port: int, log_path: Path, env: dict | None = None):
+    """Start a server (output to log_path; `env`: its environment, default ours) and wait for
+    its /health on port: (the process, seconds from spawn to ready). Also gpu_load.py's."""
     with open(log_path, "w") as log:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode}: see {log_path}")

@@ -154,6 +154,19 @@ def serve(args: argparse.Namespace) -> int:
         metrics_buckets=tuple(args.metrics_buckets or ()),
         log_requests=args.log_requests,
     )
+    engine_args = serve_engine_args(args)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(serve(engine_args, config, repository))
+
+
+def serve_engine_args(args: argparse.Namespace) -> dict:
+    """`lantau serve`'s arguments to build_engine_config (`build --compile-kernels` warms up
+    with their defaults)."""
     engine_args = dict(
         model=args.model,
         dtype=args.dtype,
@@ -168,13 +181,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     if args.num_kv_blocks:
         engine_args["num_kv_blocks"] = args.num_kv_blocks
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    return asyncio.run(serve(engine_args, config, repository))
+    return engine_args
 
 
 def _repository_options(args: argparse.Namespace):
@@ -222,6 +229,10 @@ def build(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         check_dtype_available(args.dtype)  # a bad name is refused before torch loads
+        if args.compile_kernels:  # refused before any work without the GPU it compiles for
+            from lantau.model.kernel_cache import check_can_compile_kernels
+
+            check_can_compile_kernels()
         from lantau.model.build import build_engine
 
         manifest = build_engine(args.src, args.out, dtype=args.dtype, seed=args.seed,
@@ -232,6 +243,30 @@ def build(args: argparse.Namespace) -> int:
     print(
         f"lantau build: {args.out}: {len(manifest.shards)} shard(s), {manifest.dtype}, "
         f"fingerprint {manifest.fingerprint[:12]} ({time.perf_counter() - started:.1f} s)"
+    )
+    return _compile_kernels(args.out) if args.compile_kernels else 0
+
+
+def _compile_kernels(out: str) -> int:
+    """`build --compile-kernels`' second half: the built folder warmed up as `lantau serve
+    FOLDER` would start it, its Triton cache kept in FOLDER/kernels/<key>/."""
+    import time
+    from pathlib import Path
+
+    from lantau.model.kernel_cache import compile_kernels
+
+    started = time.perf_counter()
+    serve_args = serve_engine_args(make_parser().parse_args(["serve"]))
+    serve_args.pop("model")
+    try:
+        info = compile_kernels(Path(out), serve_args)
+    except Exception as e:  # the folder is complete and serves; only its kernels are missing
+        print(f"lantau build: {out} is built, but compiling its kernels failed: {e!r}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(
+        f"lantau build: {out}/kernels/{info['name']}: {info['num_entries']} Triton cache "
+        f"entries, {info['num_files']} files ({time.perf_counter() - started:.1f} s)"
     )
     return 0
 
@@ -341,6 +376,11 @@ def bench_online(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    return args.func(args)
+
+
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lantau")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("chat", help="interactive chat in the terminal")
@@ -397,6 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8")
     p.add_argument("--seed", type=int, default=0, help="random weights' seed")
     p.add_argument("--device", default="auto", help="where the model is built (auto: CUDA)")
+    p.add_argument(
+        "--compile-kernels",
+        action="store_true",
+        help="also warm the folder up as `lantau serve` would and keep the compiled Triton "
+        "kernels in FOLDER/kernels/ (needs the GPU it will be served on)",
+    )
     p.set_defaults(func=build)
 
     p = sub.add_parser("rollback", help="a served model back to an earlier version")
@@ -441,8 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-rate", type=float, default=1.0)
     p.add_argument("--max-rate", type=float, default=256.0)
     p.set_defaults(func=bench_online)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return parser
 
 
 if __name__ == "__main__":

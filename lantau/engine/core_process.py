@@ -124,11 +124,14 @@ def run_engine_core(
     encoder = msgspec.msgpack.Encoder()
     try:
         from lantau.engine.core import EngineCore
+        from lantau.model.kernel_cache import seed_engine_kernels
 
+        seeded = seed_engine_kernels(source, config.device)  # before the first Triton compile
         core = EngineCore(config, source)
     except Exception as e:  # report why, then exit: the frontend fails its start with it
         out_sock.send(encoder.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}")))
         return
+    core.startup_s = {**seeded, **core.startup_s}
     if core.device.type == "cuda":  # no kernel compiles while a user waits
         from lantau.engine.warmup import warm_up
 

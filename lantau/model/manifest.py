@@ -6,6 +6,8 @@ scanner read it).
         lantau-engine.json        this manifest (written last, atomically: no manifest, no version)
         model-00000-of-00003.safetensors ...   weights as the model holds them (qkv / gate_up fused)
         tokenizer.json, tokenizer_config.json, ...
+        kernels/<key>/            compiled Triton kernels, a cache outside the manifest
+                                  (`--compile-kernels`, lantau/model/kernel_cache.py)
 
 The fingerprint is a sha256 over what must match at load (engine format, model config, dtype,
 tensor-parallel size, every tensor's name, shape and dtype), not over lantau's version: an
