@@ -416,8 +416,11 @@ def test_metrics_per_model_and_version(tmp_path, built):
         (repo / name / "config.pbtxt").write_text(
             param("max_model_len", "256") + param("num_kv_blocks", "64")
         )
+    delay = tmp_path / "step-delay"
+    delay.write_text("b/1 0.1\n")  # b's version 1 slow: a request outlasts the swap below
     server = Server(
-        repo, "--model-control-mode", "explicit", "--load-model", "a", "--load-model", "b"
+        repo, "--model-control-mode", "explicit", "--load-model", "a", "--load-model", "b",
+        env={"LANTAU_TEST_STEP_DELAY_FILE": str(delay)},
     )  # fmt: skip
     try:
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", max_retries=0)
@@ -460,10 +463,23 @@ def test_metrics_per_model_and_version(tmp_path, built):
         assert sample(m, "lantau:model_transitions_total", model_name="a", kind="unload",
                       from_version="1", to_version="") == 1  # fmt: skip
 
-        # b swapped to version 2: version 1's series go, version 2's count from 0
+        # b swapped to version 2 while a request streams on version 1: version 1 reports
+        # while it drains, its series go once it stops; version 2's count from 0
         shutil.copytree(built / "v2", repo / "b" / "2")
-        httpx.post(f"{server.base}/v2/repository/models/b/load", timeout=120).raise_for_status()
+        stream = iter(client.completions.create(model="b", prompt="Hi", max_tokens=100,
+                                                stream=True))  # fmt: skip
+        next(stream)
+        url, answers = f"{server.base}/v2/repository/models/b/load", []
+        loading = threading.Thread(target=lambda: answers.append(httpx.post(url, timeout=120)))
+        loading.start()
         b2 = {"model_name": "b", "model_version": "2"}
+        serving = {"model_name": "b", "version": "2", "role": "primary"}
+        m = scrape_until(server, lambda m: sample(m, "lantau:model_version_serving", **serving))
+        assert sample(m, "lantau:num_requests_running", **b1) == 1  # draining, still there
+        assert sample(m, "lantau:num_requests_running", **b2) == 0
+        assert len(list(stream)) == 99
+        loading.join()
+        assert answers[0].status_code == 200, answers[0].text
         client.completions.create(model="b", prompt="Hello", max_tokens=3)
         http_ok = {"protocol": "http", "code": "200"}
         m = scrape_until(
