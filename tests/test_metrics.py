@@ -222,9 +222,10 @@ class FakeNvml:
 def test_gpu_metrics_from_nvml():
     from lantau.metrics.gpu import GpuReader
     from lantau.metrics.prometheus import MetricsExporter
-    from lantau.metrics.stats import EngineMetrics
+    from lantau.metrics.stats import EngineFigures, EngineMetrics
 
-    exporter = MetricsExporter(EngineMetrics("m", 64), StepStats, GpuReader(FakeNvml(), [0, 1]))
+    figures = [EngineFigures(EngineMetrics("m", 64), StepStats())]
+    exporter = MetricsExporter(lambda: figures, ["model_name"], GpuReader(FakeNvml(), [0, 1]))
     m = parse_prometheus(exporter.render().decode())
     assert m['lantau:gpu_utilization_perc{gpu="0",uuid="GPU-0"}'] == 40
     assert m['lantau:gpu_utilization_perc{gpu="1",uuid="GPU-1"}'] == 41
@@ -253,7 +254,7 @@ def test_histogram_buckets():
     hist = Histogram((0.1, 0.8))
     for value in (0.05, 0.1, 0.5, 0.8, 0.81, 3.0):
         hist.observe(value)
-    family = histogram_family("lantau:x", "doc", hist, {"model_name": "m"})
+    family = histogram_family("lantau:x", "doc", ["model_name"], [(["m"], hist)])
     buckets = {s.labels.get("le"): s.value for s in family.samples if s.name.endswith("_bucket")}
     assert buckets == {"0.1": 2, "0.8": 4, "+Inf": 6}  # le: a value on a bound counts in it
     assert length_buckets(600) == (1, 2, 5, 10, 20, 50, 100, 200, 500)

@@ -372,3 +372,124 @@ def test_unload_returns_memory(server):
     assert server.model()["versions"] == []
     assert httpx.post(f"{server.base}/v1/completions",
                       json={"model": "tiny", "prompt": "Hi"}).status_code == 404  # fmt: skip
+
+
+def scrape(server: Server) -> dict[tuple[str, frozenset], float]:
+    """/metrics through prometheus_client's own parser: {(sample, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base}/metrics", timeout=10).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sample(m: dict, name: str, **labels: str) -> float | None:
+    return m.get((name, frozenset(labels.items())))
+
+
+def scrape_until(server: Server, check, timeout: float = 15.0) -> dict:
+    """A scrape once `check` holds (an answer is counted just after it is sent)."""
+    deadline = time.monotonic() + timeout
+    while not check(m := scrape(server)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert check(m), sorted(k for k in m if "request_status" in k[0])
+    return m
+
+
+def models_of(m: dict, name: str) -> set[tuple[str, str]]:
+    """The (model, version) pairs of a family's samples."""
+    return {(dict(k[1])["model_name"], dict(k[1])["model_version"]) for k in m if k[0] == name}
+
+
+def test_metrics_per_model_and_version(tmp_path, built):
+    """Two models: every engine and request series carries model_name and model_version, and
+    counts per model equal the requests sent to it (warm-up canaries not counted). Unloaded,
+    or swapped away, a version's series go; the other versions' keep counting."""
+    from tests.test_hardening import grpc_inputs
+
+    repo = tmp_path / "repo"
+    for name in ("a", "b"):
+        shutil.copytree(built / "v1", repo / name / "1")
+        (repo / name / "config.pbtxt").write_text(
+            param("max_model_len", "256") + param("num_kv_blocks", "64")
+        )
+    delay = tmp_path / "step-delay"
+    delay.write_text("b/1 0.1\n")  # b's version 1 slow: a request outlasts the swap below
+    server = Server(
+        repo, "--model-control-mode", "explicit", "--load-model", "a", "--load-model", "b",
+        env={"LANTAU_TEST_STEP_DELAY_FILE": str(delay)},
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", max_retries=0)
+        for _ in range(3):
+            client.completions.create(model="a", prompt="Hello", max_tokens=4)
+        client.completions.create(model="b", prompt="Hello", max_tokens=2)
+        grpcclient.InferenceServerClient(server.grpc_url).infer("b", grpc_inputs(max_tokens=2))
+        a1 = {"model_name": "a", "model_version": "1"}
+        b1 = {"model_name": "b", "model_version": "1"}
+        ok = {"protocol": "grpc", "code": "OK"}
+        m = scrape_until(server, lambda m: sample(m, "lantau:request_status_total", **b1, **ok))
+        for labels, num, num_tokens in ((a1, 3, 12), (b1, 2, 4)):
+            assert sample(m, "lantau:request_success_total", **labels,
+                          finished_reason="length") == num  # fmt: skip
+            assert sample(m, "lantau:e2e_request_latency_seconds_count", **labels) == num
+            assert sample(m, "lantau:generation_tokens_total", **labels) == num_tokens
+            assert sample(m, "lantau:num_requests_running", **labels) == 0
+            assert sample(m, "lantau:cache_config_info", **labels, block_size="16",
+                          num_gpu_blocks="64") == 1  # fmt: skip
+        assert sample(m, "lantau:request_status_total", **a1, protocol="http", code="200") == 3
+        assert sample(m, "lantau:request_status_total", **b1, protocol="http", code="200") == 1
+        assert sample(m, "lantau:request_status_total", **b1, **ok) == 1
+        engine_families = {k[0] for k in m if "model_version" in dict(k[1])}
+        repository_families = ("lantau:model_transitions_total", "lantau:model_version_serving")
+        assert {k[0] for k in m if k[0].startswith("lantau:")} - engine_families == set(
+            repository_families
+        )  # no engine or request series without the two labels
+        for family in engine_families:  # besides the server's own (no model: labels empty)
+            assert models_of(m, family) - {("", "")} == {("a", "1"), ("b", "1")}, family
+
+        # a unloaded: its series are gone; b's keep their counts; a request for a now counts
+        # on the server's own figures (no model took it)
+        httpx.post(f"{server.base}/v2/repository/models/a/unload", timeout=60).raise_for_status()
+        gone = httpx.post(f"{server.base}/v1/completions", json={"model": "a", "prompt": "Hi"})
+        assert gone.status_code == 404
+        no_model = {"model_name": "", "model_version": "", "protocol": "http", "code": "404"}
+        m = scrape_until(server, lambda m: sample(m, "lantau:request_status_total", **no_model))
+        assert all(("a", "1") not in models_of(m, f) for f in engine_families)
+        assert sample(m, "lantau:request_success_total", **b1, finished_reason="length") == 2
+        assert sample(m, "lantau:model_transitions_total", model_name="a", kind="unload",
+                      from_version="1", to_version="") == 1  # fmt: skip
+
+        # b swapped to version 2 while a request streams on version 1: version 1 reports
+        # while it drains, its series go once it stops; version 2's count from 0
+        shutil.copytree(built / "v2", repo / "b" / "2")
+        stream = iter(client.completions.create(model="b", prompt="Hi", max_tokens=100,
+                                                stream=True))  # fmt: skip
+        next(stream)
+        url, answers = f"{server.base}/v2/repository/models/b/load", []
+        loading = threading.Thread(target=lambda: answers.append(httpx.post(url, timeout=120)))
+        loading.start()
+        b2 = {"model_name": "b", "model_version": "2"}
+        serving = {"model_name": "b", "version": "2", "role": "primary"}
+        m = scrape_until(server, lambda m: sample(m, "lantau:model_version_serving", **serving))
+        assert sample(m, "lantau:num_requests_running", **b1) == 1  # draining, still there
+        assert sample(m, "lantau:num_requests_running", **b2) == 0
+        assert len(list(stream)) == 99
+        loading.join()
+        assert answers[0].status_code == 200, answers[0].text
+        client.completions.create(model="b", prompt="Hello", max_tokens=3)
+        http_ok = {"protocol": "http", "code": "200"}
+        m = scrape_until(
+            server, lambda m: sample(m, "lantau:request_status_total", **b2, **http_ok)
+        )
+        assert models_of(m, "lantau:num_requests_running") == {("b", "2")}
+        assert models_of(m, "lantau:request_success_total") == {("b", "2")}
+        assert sample(m, "lantau:request_success_total", **b2, finished_reason="length") == 1
+        assert sample(m, "lantau:generation_tokens_total", **b2) == 3
+        assert sample(m, "lantau:model_version_serving", model_name="b", version="2",
+                      role="primary") == 1  # fmt: skip
+    finally:
+        server.close()

@@ -236,6 +236,9 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """RequestOutputs as the request advances; the last one has `finished` set."""
         arrival_s = time.monotonic()
+        context = CURRENT_REQUEST.get()
+        if context is not None and self.metrics is not None:
+            context.metrics = self.metrics  # its answer counts here (a repository's version)
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if params.n > self.max_pending_requests:

@@ -1,10 +1,11 @@
 """The one module that imports prometheus_client: /metrics in the text exposition format.
 
 Nothing is recorded through prometheus_client. A custom collector reads, at scrape time, the
-plain figures of `EngineMetrics` (the frontend's, and the core's last `StepStats`) and NVML's
-readings (`gpu.GpuReader`), so the hot path never touches a prometheus_client lock. Names follow
-the Gateway API Inference Extension model-server contract under `lantau:` (vLLM's `vllm:` names);
-docs/metrics.md lists each with its vLLM, Triton and DCGM counterparts.
+plain figures of each engine's `EngineMetrics` (the frontend's, and its core's last
+`StepStats`) and NVML's readings (`gpu.GpuReader`), so the hot path never touches a
+prometheus_client lock. Names follow the Gateway API Inference Extension model-server contract
+under `lantau:` (vLLM's `vllm:` names); docs/metrics.md lists each with its vLLM, Triton and
+DCGM counterparts.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prometheus_client.core import (
 
 from lantau.engine.protocol import StepStats
 from lantau.metrics.gpu import GpuReader
-from lantau.metrics.stats import EngineMetrics, Histogram
+from lantau.metrics.stats import EngineFigures
 
 __all__ = ["CONTENT_TYPE_LATEST", "MetricsExporter", "counter_family", "gauge_family"]
 
@@ -43,30 +44,20 @@ LATENCY_HELP = {
 }
 
 
-def histogram_family(name: str, doc: str, hist: Histogram, labels: dict) -> Metric:
-    family = HistogramMetricFamily(name, doc, labels=list(labels))
-    buckets, total = [], 0
-    for bound, count in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
-        total += count
-        buckets.append((_bound_text(bound), total))
-    family.add_metric(list(labels.values()), buckets, hist.sum)
+def histogram_family(name: str, doc: str, label_names: list[str], samples) -> Metric:
+    """A histogram family from (label values, Histogram) pairs."""
+    family = HistogramMetricFamily(name, doc, labels=label_names)
+    for labels, hist in samples:
+        buckets, total = [], 0
+        for bound, count in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
+            total += count
+            buckets.append((_bound_text(bound), total))
+        family.add_metric(list(labels), buckets, hist.sum)
     return family
 
 
 def _bound_text(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
-
-
-def _counter(name: str, doc: str, value: float, labels: dict) -> Metric:
-    family = CounterMetricFamily(name, doc, labels=list(labels))
-    family.add_metric(list(labels.values()), value)
-    return family
-
-
-def _gauge(name: str, doc: str, value: float, labels: dict) -> Metric:
-    family = GaugeMetricFamily(name, doc, labels=list(labels))
-    family.add_metric(list(labels.values()), value)
-    return family
 
 
 def counter_family(name: str, doc: str, label_names: list[str], samples) -> Metric:
@@ -84,106 +75,128 @@ def gauge_family(name: str, doc: str, label_names: list[str], samples) -> Metric
     return family
 
 
-class EngineCollector:
-    """Renders EngineMetrics and the latest StepStats (read through `stats`) at scrape time."""
+def _hit_rate(s: StepStats) -> float:
+    queried = s.num_prefix_queried_tokens
+    return s.num_prefix_hit_tokens / queried if queried else 0.0
 
-    def __init__(self, metrics: EngineMetrics, stats: Callable[[], StepStats]) -> None:
-        self.metrics, self.stats = metrics, stats
+
+# (metric, help, its value from the core's last StepStats)
+CORE_GAUGES = (
+    ("lantau:num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
+    ("lantau:num_requests_waiting", "Requests waiting to be scheduled.",
+     lambda s: s.num_waiting),
+    ("lantau:kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = 100%).",
+     lambda s: s.kv_cache_usage),
+    ("lantau:prefix_cache_hit_rate",
+     "Share of admitted prompt tokens found in the prefix cache, since start.", _hit_rate),
+    ("lantau:batch_size", "Requests scheduled in the last engine step.", lambda s: s.batch_size),
+    ("lantau:num_batched_tokens", "Tokens scheduled in the last engine step.",
+     lambda s: s.num_batched_tokens),
+    ("lantau:step_time_seconds", "Wall time of the last engine step.", lambda s: s.step_time_s),
+)  # fmt: skip
+CORE_COUNTERS = (
+    ("lantau:num_preemptions", "Requests preempted (to be recomputed).",
+     lambda s: s.num_preemptions),
+    ("lantau:prefix_cache_queries", "Prompt tokens looked up in the cache.",
+     lambda s: s.num_prefix_queried_tokens),
+    ("lantau:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     lambda s: s.num_prefix_hit_tokens),
+    ("lantau:engine_steps", "Engine steps run.", lambda s: s.num_steps),
+    ("lantau:engine_step_time_seconds", "Wall time spent in engine steps.",
+     lambda s: s.step_time_total_s),
+    ("lantau:engine_generated_tokens", "Tokens sampled by the engine.",
+     lambda s: s.num_generated_tokens),
+)  # fmt: skip
+# (metric, help, its value from the frontend's EngineMetrics)
+REQUEST_COUNTERS = (
+    ("lantau:prompt_tokens", "Prompt tokens of finished requests.",
+     lambda m: m.num_prompt_tokens),
+    ("lantau:generation_tokens", "Output tokens of finished requests.",
+     lambda m: m.num_output_tokens),
+    ("lantau:prompt_tokens_cached",
+     "Prompt tokens of finished requests served by the prefix cache.",
+     lambda m: m.num_cached_tokens),
+    ("lantau:request_aborted", "Requests that left before they finished.",
+     lambda m: m.finished.get("abort", 0)),
+)  # fmt: skip
+# histograms of EngineMetrics other than the latencies: (metric, help, the histogram)
+LENGTH_HISTOGRAMS = (
+    ("lantau:request_prompt_tokens", "Prompt tokens a request.", lambda m: m.prompt_tokens),
+    ("lantau:request_generation_tokens", "Output tokens a request (all its n sequences).",
+     lambda m: m.output_tokens),
+)  # fmt: skip
+# lantau:request_rejected's reasons and the codes that count as each
+REJECTED_CODES = (
+    ("overloaded", ("429", "RESOURCE_EXHAUSTED")),
+    ("unavailable", ("503", "UNAVAILABLE")),
+)
+
+
+class EngineCollector:
+    """Renders, at scrape time, every engine's EngineMetrics and latest StepStats as
+    `sources()` gives them (one for a single model; a repository's loaded and draining
+    versions): one family a metric, one sample an engine, `label_names` first on each."""
+
+    def __init__(self, sources: Callable[[], list[EngineFigures]], label_names: list[str]):
+        self.sources, self.label_names = sources, label_names
 
     def collect(self) -> Iterator[Metric]:
-        m = self.metrics
-        labels = {"model_name": m.model_name}
-        yield from self._core_gauges(self.stats(), labels)
-        yield from self._core_counters(self.stats(), labels)
-        yield from self._request_counters(labels)
-        for name, (key, doc) in LATENCY_HELP.items():
-            yield histogram_family(f"lantau:{name}", doc, m.latency[key], labels)
-        yield histogram_family(
-            "lantau:request_prompt_tokens", "Prompt tokens a request.", m.prompt_tokens, labels
-        )
-        yield histogram_family(
-            "lantau:request_generation_tokens",
-            "Output tokens a request (all its n sequences).",
-            m.output_tokens,
-            labels,
-        )
-        info = GaugeMetricFamily(
-            "lantau:cache_config_info",
-            "The KV cache's configuration (value 1).",
-            labels=["model_name", "block_size", "num_gpu_blocks"],
-        )
-        info.add_metric([m.model_name, str(m.block_size), str(m.num_blocks)], 1)
-        yield info
-
-    def _core_gauges(self, s: StepStats, labels: dict) -> Iterator[Metric]:
-        yield _gauge("lantau:num_requests_running", "Requests in the running batch.",
-                     s.num_running, labels)  # fmt: skip
-        yield _gauge("lantau:num_requests_waiting", "Requests waiting to be scheduled.",
-                     s.num_waiting, labels)  # fmt: skip
-        yield _gauge("lantau:kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = 100%).",
-                     s.kv_cache_usage, labels)  # fmt: skip
-        queried = s.num_prefix_queried_tokens
-        yield _gauge("lantau:prefix_cache_hit_rate",
-                     "Share of admitted prompt tokens found in the prefix cache, since start.",
-                     s.num_prefix_hit_tokens / queried if queried else 0.0, labels)  # fmt: skip
-        yield _gauge("lantau:batch_size", "Requests scheduled in the last engine step.",
-                     s.batch_size, labels)  # fmt: skip
-        yield _gauge("lantau:num_batched_tokens", "Tokens scheduled in the last engine step.",
-                     s.num_batched_tokens, labels)  # fmt: skip
-        yield _gauge("lantau:step_time_seconds", "Wall time of the last engine step.",
-                     s.step_time_s, labels)  # fmt: skip
-
-    def _core_counters(self, s: StepStats, labels: dict) -> Iterator[Metric]:
-        yield _counter("lantau:num_preemptions", "Requests preempted (to be recomputed).",
-                       s.num_preemptions, labels)  # fmt: skip
-        yield _counter("lantau:prefix_cache_queries", "Prompt tokens looked up in the cache.",
-                       s.num_prefix_queried_tokens, labels)  # fmt: skip
-        yield _counter("lantau:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                       s.num_prefix_hit_tokens, labels)  # fmt: skip
-        yield _counter("lantau:engine_steps", "Engine steps run.", s.num_steps, labels)
-        yield _counter("lantau:engine_step_time_seconds", "Wall time spent in engine steps.",
-                       s.step_time_total_s, labels)  # fmt: skip
-        yield _counter("lantau:engine_generated_tokens", "Tokens sampled by the engine.",
-                       s.num_generated_tokens, labels)  # fmt: skip
-
-    def _request_counters(self, labels: dict) -> Iterator[Metric]:
-        m = self.metrics
-        yield _counter("lantau:prompt_tokens", "Prompt tokens of finished requests.",
-                       m.num_prompt_tokens, labels)  # fmt: skip
-        yield _counter("lantau:generation_tokens", "Output tokens of finished requests.",
-                       m.num_output_tokens, labels)  # fmt: skip
-        yield _counter("lantau:prompt_tokens_cached",
-                       "Prompt tokens of finished requests served by the prefix cache.",
-                       m.num_cached_tokens, labels)  # fmt: skip
-        success = CounterMetricFamily(
+        names, sources = self.label_names, self.sources()
+        engines = [(list(f.metrics.labels.values()), f) for f in sources if f.stats is not None]
+        for name, doc, value in CORE_GAUGES:
+            yield gauge_family(name, doc, names, [(k, value(f.stats)) for k, f in engines])
+        for name, doc, value in CORE_COUNTERS:
+            yield counter_family(name, doc, names, [(k, value(f.stats)) for k, f in engines])
+        for name, doc, value in REQUEST_COUNTERS:
+            yield counter_family(name, doc, names, [(k, value(f.metrics)) for k, f in engines])
+        success = []
+        for k, f in engines:
+            for reason in sorted({"stop", "length", "abort", *f.metrics.finished}):
+                success.append(([*k, reason], f.metrics.finished.get(reason, 0)))
+        yield counter_family(
             "lantau:request_success",
             "Requests that left the engine, by finish reason (abort: left early).",
-            labels=["model_name", "finished_reason"],
+            [*names, "finished_reason"],
+            success,
         )
-        for reason in sorted({"stop", "length", "abort", *m.finished}):
-            success.add_metric([m.model_name, reason], m.finished.get(reason, 0))
-        yield success
-        yield _counter("lantau:request_aborted", "Requests that left before they finished.",
-                       m.finished.get("abort", 0), labels)  # fmt: skip
-        status = CounterMetricFamily(
+        yield from self._statuses(sources)
+        for name, (key, doc) in LATENCY_HELP.items():
+            samples = [(k, f.metrics.latency[key]) for k, f in engines]
+            yield histogram_family(f"lantau:{name}", doc, names, samples)
+        for name, doc, hist in LENGTH_HISTOGRAMS:
+            yield histogram_family(name, doc, names, [(k, hist(f.metrics)) for k, f in engines])
+        yield gauge_family(
+            "lantau:cache_config_info",
+            "The KV cache's configuration (value 1).",
+            [*names, "block_size", "num_gpu_blocks"],
+            [([*k, str(f.metrics.block_size), str(f.metrics.num_blocks)], 1) for k, f in engines],
+        )
+
+    def _statuses(self, sources: list[EngineFigures]) -> Iterator[Metric]:
+        """Answers by status, of every source: a repository's requests that no version took
+        too (their `model_name` empty)."""
+        names = self.label_names
+        status, rejected = [], []
+        for f in sources:
+            labels, counts = list(f.metrics.labels.values()), f.metrics.status
+            for (protocol, code), count in sorted(counts.items()):
+                status.append(([*labels, protocol, code], count))
+            for reason, codes in REJECTED_CODES:
+                count = sum(n for (_, code), n in counts.items() if code in codes)
+                rejected.append(([*labels, reason], count))
+        yield counter_family(
             "lantau:request_status",
             "Inference requests answered, by protocol and status (HTTP code or gRPC status).",
-            labels=["model_name", "protocol", "code"],
+            [*names, "protocol", "code"],
+            status,
         )
-        for (protocol, code), count in sorted(m.status.items()):
-            status.add_metric([m.model_name, protocol, code], count)
-        yield status
-        rejected = CounterMetricFamily(
+        yield counter_family(
             "lantau:request_rejected",
             "Requests refused: overloaded (429, RESOURCE_EXHAUSTED) or unavailable (503, "
             "UNAVAILABLE: draining, engine down).",
-            labels=["model_name", "reason"],
+            [*names, "reason"],
+            rejected,
         )
-        for reason, codes in (("overloaded", ("429", "RESOURCE_EXHAUSTED")),
-                              ("unavailable", ("503", "UNAVAILABLE"))):  # fmt: skip
-            count = sum(n for (_, code), n in m.status.items() if code in codes)
-            rejected.add_metric([m.model_name, reason], count)
-        yield rejected
 
 
 # (GpuReading field, metric, help with DCGM-exporter's field and unit)
@@ -223,17 +236,17 @@ class GpuCollector:
 
 
 class MetricsExporter:
-    """The /metrics page: a registry of the two collectors."""
+    """The /metrics page: a registry of the engines' collector, the GPUs' and any `extra`."""
 
     def __init__(
         self,
-        metrics: EngineMetrics,
-        stats: Callable[[], StepStats],
+        sources: Callable[[], list[EngineFigures]],
+        label_names: list[str],
         gpus: GpuReader | None,
         extra: list | tuple = (),
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(metrics, stats))
+        self.registry.register(EngineCollector(sources, label_names))
         for collector in extra:  # objects with collect() yielding families (the repository's)
             self.registry.register(collector)
         if gpus is not None:

@@ -13,6 +13,10 @@ import contextvars
 from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lantau.engine.protocol import StepStats
 
 # Default bucket bounds (seconds), vLLM's with the alerting thresholds (0.35 s TTFT, 0.8 s
 # end-to-end) and millisecond steps for decode on fast cards added: a quantile interpolated
@@ -121,6 +125,9 @@ class RequestContext:
 
     request_id: str
     records: list[RequestRecord] = field(default_factory=list)
+    # the figures of the engine that took the request, where one did (its answer counts
+    # there); None: refused before one did (auth, drain, no such model): the server's
+    metrics: EngineMetrics | None = None
 
 
 # the API request being served in this task (set by the HTTP middleware and the gRPC service)
@@ -134,15 +141,20 @@ def _since(end: float, start: float) -> float | None:
 
 
 class EngineMetrics:
-    """Everything /metrics exports from the engine and the frontend, as plain numbers."""
+    """Everything /metrics exports from one engine and the frontend's requests to it, as plain
+    numbers. `model_version`: a repository's version (a label of every series), None for a
+    single model (`model_name` its only label, as before repositories)."""
 
     def __init__(
         self,
         model_name: str,
         max_model_len: int,
         buckets: dict[str, tuple[float, ...]] | None = None,
+        model_version: str | None = None,
     ) -> None:
-        self.model_name = model_name
+        self.labels = {"model_name": model_name}  # NOTE: in label order
+        if model_version is not None:
+            self.labels["model_version"] = model_version
         chosen = {**LATENCY_BUCKETS, **(buckets or {})}
         self.latency = {
             name: Histogram(chosen.get(name, chosen[default]))
@@ -203,3 +215,11 @@ class EngineMetrics:
 
     def record_status(self, protocol: str, code: str) -> None:
         self.status[(protocol, code)] += 1
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """One engine's figures as /metrics reads them at a scrape."""
+
+    metrics: EngineMetrics  # the frontend's request figures, and the labels
+    stats: StepStats | None  # the core's last report; None: no engine (status counts only)

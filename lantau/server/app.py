@@ -198,16 +198,19 @@ def _add_metrics_route(app: FastAPI, metrics, default_engine, control) -> None:
     from lantau.engine.protocol import StepStats
     from lantau.metrics.gpu import GpuReader
     from lantau.metrics.prometheus import CONTENT_TYPE_LATEST, MetricsExporter
+    from lantau.metrics.stats import EngineFigures
 
-    def stats() -> StepStats:
+    def one_engine() -> list[EngineFigures]:
         engine = default_engine()
-        return engine.stats if engine is not None else StepStats()
+        return [EngineFigures(metrics, engine.stats if engine is not None else StepStats())]
 
-    extra = [control.collector()] if control is not None else []
-    exporter = MetricsExporter(metrics, stats, GpuReader.start(), extra)
+    sources, extra = one_engine, []
+    if control is not None:  # a repository: each version's engine, and its transitions
+        sources, extra = control.figures, [control.collector()]
+    exporter = MetricsExporter(sources, list(metrics.labels), GpuReader.start(), extra)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics_page() -> Response:
         """Prometheus' text format: the engine's and the GPUs' figures, read now."""
         return Response(exporter.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -301,7 +304,7 @@ async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: f
 
 async def _start_repository(engine_args: dict, config: ServerConfig, options, started: float):
     """`lantau serve --model-repository REPO`: the models its control mode loads at start."""
-    from lantau.metrics.stats import EngineMetrics, parse_buckets
+    from lantau.metrics.stats import EngineMetrics
     from lantau.server.model_control import ModelManager
 
     engine_args.pop("model", None)
@@ -311,13 +314,9 @@ async def _start_repository(engine_args: dict, config: ServerConfig, options, st
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         transitions.addHandler(handler)
         transitions.setLevel(logging.INFO)
-    metrics = None
-    if config.enable_metrics:  # NOTE: one set of request figures for the whole repository
-        metrics = EngineMetrics(
-            options.path.name,
-            engine_args.get("max_model_len") or 4096,
-            parse_buckets(list(config.metrics_buckets)),
-        )
+    # NOTE: the server's own figures: answers to requests no version took (each version's
+    # engine has its figures, labelled with its model and version); no model: labels empty
+    metrics = EngineMetrics("", 1, model_version="") if config.enable_metrics else None
     manager = ModelManager(options, engine_args, config, metrics)
     await manager.start()
     loaded = ", ".join(f"{n} v{manager.models[n].versions()[0]}" for n in manager.names())

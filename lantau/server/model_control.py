@@ -31,6 +31,7 @@ from fastapi import APIRouter, Request
 
 from lantau.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from lantau.errors import InvalidRequestError, ModelLoadError
+from lantau.metrics.stats import EngineFigures, EngineMetrics, parse_buckets
 from lantau.request import SamplingParams
 from lantau.server.kserve_http import (
     ErrorCode,
@@ -45,7 +46,6 @@ from lantau.server.repo_config import ModelConfigError, RepoModelConfig, read_mo
 from lantau.server.repository import ModelRepository, bad_name_reason
 
 if TYPE_CHECKING:
-    from lantau.metrics.stats import EngineMetrics
     from lantau.server.app import ServerConfig
 
 logger = logging.getLogger("lantau.repository")
@@ -121,6 +121,7 @@ class RepoModel(ServedModel):
         self.name = name
         self.config: RepoModelConfig | None = None
         self.loaded: dict[int, VersionEngine] = {}
+        self.retiring: list[VersionEngine] = []  # out of service, draining: still on /metrics
         self.primary: VersionEngine | None = None
         self.canary: VersionEngine | None = None
         self.canary_task: asyncio.Task | None = None
@@ -220,6 +221,8 @@ class ModelManager(ModelRouter):
         self.repo = ModelRepository(options.path)
         self.engine_args = engine_args  # lantau serve's, under each model's config
         self.server = server
+        # the server's figures (requests no version took); None: metrics off. Each version's
+        # engine gets its own, labelled with its model and version (`_start_engine`)
         self.metrics = metrics
         self.models: dict[str, RepoModel] = {}
         # (model, kind, from version, to version) -> transitions
@@ -560,6 +563,14 @@ class ModelManager(ModelRouter):
             digest = read_manifest(folder).tokenizer_digest
         except (ModelLoadError, ValueError, OSError) as e:
             raise LoadFailed(str(e)) from None
+        metrics = None
+        if self.metrics is not None:
+            metrics = EngineMetrics(
+                name,
+                engine_config.scheduler.max_model_len,
+                parse_buckets(list(self.server.metrics_buckets)),
+                model_version=str(version),
+            )
         reused = model.tokenizer[1] if model.tokenizer and model.tokenizer[0] == digest else None
         engine = AsyncLLM(
             engine_config,
@@ -568,7 +579,7 @@ class ModelManager(ModelRouter):
             max_pending_requests=config.max_pending_requests or self.server.max_pending_requests,
             max_pending_tokens=self.server.max_pending_tokens,
             live_max_silence_s=self.server.live_max_silence_s,
-            metrics=self.metrics,
+            metrics=metrics,
         )
         try:
             if reused is not None:
@@ -592,13 +603,17 @@ class ModelManager(ModelRouter):
         ve = model.loaded.pop(version)
         if model.primary is ve:
             model.primary = None
+        model.retiring.append(ve)  # its requests still finish, and count, till it stops
         try:
             await asyncio.wait_for(ve.idle.wait(), self.server.drain_timeout_s)
         except TimeoutError:
             logger.warning("model %s version %d: %d requests past the drain timeout",
                            model.name, version, ve.num_active)  # fmt: skip
             ve.engine.fail_requests(f"version {version} unloaded")
-        await ve.engine.shutdown()
+        try:
+            await ve.engine.shutdown()
+        finally:
+            model.retiring.remove(ve)  # its series leave /metrics
         logger.info("model %s version %d stopped", model.name, version)
 
     # -- the canary phase --------------------------------------------------------------
@@ -656,6 +671,17 @@ class ModelManager(ModelRouter):
     def collector(self):
         return RepositoryCollector(self)
 
+    def figures(self) -> list[EngineFigures]:
+        """/metrics' engines: the server's answers to requests no version took, then each
+        version loaded or still draining (a version gone has no series left)."""
+        figures = [EngineFigures(self.metrics, None)]
+        for model in self.models.values():
+            draining = [ve for ve in model.retiring if ve.version not in model.loaded]
+            for ve in (*model.loaded.values(), *draining):
+                if ve.engine.metrics is not None:
+                    figures.append(EngineFigures(ve.engine.metrics, ve.engine.stats))
+        return figures
+
 
 def judge_canary(canary: Window, baseline: Window, policy) -> str | None:
     """None when the canary passes; else why it failed."""
@@ -685,9 +711,15 @@ def _is_out_of_memory(message: str) -> bool:
 
 
 async def _canary_request(engine: AsyncLLM) -> None:
+    """The warm-up request, before the version serves: no client sent it, so it is not in
+    the version's request figures (the engine's step counters do see it)."""
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    async for _ in engine.generate(f"canary-{time.monotonic_ns()}", CANARY_PROMPT, params):
-        pass
+    metrics, engine.metrics = engine.metrics, None  # NOTE: no other request on it yet
+    try:
+        async for _ in engine.generate(f"canary-{time.monotonic_ns()}", CANARY_PROMPT, params):
+            pass
+    finally:
+        engine.metrics = metrics
 
 
 class RepositoryCollector:

@@ -80,6 +80,15 @@ def log_request(
     request_logger.info(orjson.dumps(line).decode())
 
 
+def record_status(
+    context: RequestContext, server: EngineMetrics | None, protocol: str, status: str
+) -> None:
+    """Count an answer on the engine that took the request, else on the server's figures."""
+    metrics = context.metrics or server
+    if metrics is not None:
+        metrics.record_status(protocol, status)
+
+
 class RequestIdMiddleware:
     """Plain ASGI, outermost: every HTTP request gets an id (returned as `x-request-id`); an
     inference request (a POST) also counts by status and is logged."""
@@ -112,8 +121,7 @@ class RequestIdMiddleware:
         finally:
             CURRENT_REQUEST.reset(token)
             if scope["method"] == "POST":
-                if self.metrics is not None:
-                    self.metrics.record_status("http", status[0])
+                record_status(context, self.metrics, "http", status[0])
                 log_request(context, "http", scope["path"], status[0], start_s)
 
 
@@ -145,6 +153,5 @@ def observe_grpc_call(
         raise
     finally:
         CURRENT_REQUEST.reset(token)
-        if metrics is not None:
-            metrics.record_status("grpc", call.status)
+        record_status(call.context, metrics, "grpc", call.status)
         log_request(call.context, "grpc", method, call.status, start_s)
