@@ -14,6 +14,10 @@ from lantau.request import SamplingParams
 # tokens, which bounds their inter-token latency at a small cost in time to first token
 # (RESULTS.md: W1-16-itl-p95); offline runs want whole prompts (0)
 SERVE_LONG_PREFILL_TOKENS = 256
+# lantau serve's batch limits: a burst of requests runs at once, its prompts in steps of up to
+# 16k tokens (RESULTS.md: W1-inf); steady traffic's steps stay far below either
+SERVE_MAX_NUM_SEQS = 512
+SERVE_MAX_NUM_BATCHED_TOKENS = 16384
 
 
 def _add_scheduling_args(p: argparse.ArgumentParser, long_prefill_tokens: int = 0) -> None:
@@ -406,12 +410,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-model", action="append", help="explicit mode: load at start")
     p.add_argument("--repository-poll-secs", type=float, default=15.0, help="poll mode")
     p.add_argument("--api-key", action="append", help="repeat for several keys")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=SERVE_MAX_NUM_SEQS)
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=None,
-        help="tokens a step may compute (chunked prefill's budget; default 4096)",
+        default=SERVE_MAX_NUM_BATCHED_TOKENS,
+        help="tokens a step may compute (chunked prefill's budget)",
     )
     p.add_argument("--num-kv-blocks", type=int, default=None)
     _add_scheduling_args(p, long_prefill_tokens=SERVE_LONG_PREFILL_TOKENS)
