@@ -430,12 +430,14 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     _check_magic(path)
-    from transformers import AutoTokenizer
+    from lantau.model.hf_loader import load_hf_tokenizer
 
     cached = _tokenizer_cache(path)
     if cached is not None and (cached / "tokenizer.json").is_file():
         with contextlib.suppress(Exception):  # a damaged cache entry: rebuild it
-            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+            return load_hf_tokenizer(cached)
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             str(path.parent), gguf_file=path.name, local_files_only=True

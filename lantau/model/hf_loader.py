@@ -46,10 +46,33 @@ def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{path}: corrupt or truncated safetensors file: {e}") from e
 
 
+# tokenizer_config.json classes that are transformers' generic tokenizer.json wrapper itself
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_hf_tokenizer(folder: Path):
-    """The folder's tokenizer, or None when it ships no tokenizer files."""
+    """The folder's tokenizer, or None when it ships no tokenizer files. A tokenizer.json of
+    the generic class loads through that class directly: AutoTokenizer's module imports torch
+    (seconds, more on a GPU machine whose engine core reads its weights at the same time), and
+    the server's frontend process holds no torch. Model-specific classes go through
+    AutoTokenizer, which knows them."""
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
         return None
+    if (folder / "tokenizer.json").is_file() and _tokenizer_class(folder) in (
+        None,
+        *GENERIC_TOKENIZER_CLASSES,
+    ):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(folder), local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def _tokenizer_class(folder: Path) -> str | None:
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
