@@ -117,8 +117,8 @@ def test_unified_attention_fp8_cache(dtype, k_scale, v_scale):
     ("dtype", "k_scale", "v_scale"), [(torch.float32, *SCALES[0]), (torch.bfloat16, *SCALES[1])]
 )
 def test_decode_attention_fp8_cache(monkeypatch, dtype, k_scale, v_scale):
-    """Splits of 16-key tiles ending mid-block, both merges: v_scale applies to each split's
-    partial before the merge."""
+    """Splits of 32-key tiles (an fp8 cache's: twice the module's 16) ending mid-block, both
+    merges: v_scale applies to each split's partial before the merge."""
     monkeypatch.setattr(da, "_DECODE_BLOCK_N", 16)
     requests = [(1, 1), (17, 1), (70, 1), (129, 1)]
     b = quantize_batch(make_batch(requests, 6, 2, 32, dtype, seed=3), k_scale, v_scale)
