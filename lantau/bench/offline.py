@@ -259,10 +259,9 @@ def engine_sizes(
     workload_name: str, max_num_seqs: int | None, max_num_batched_tokens: int | None
 ) -> tuple[int, int | None]:
     """max_num_seqs and the step's token budget for a workload, where not given: the W3 rows
-    (throughput, all prompts at once) run 384 sequences and 65,536-token steps, the sizes the
-    H200 runs settled on (benchmarks/RESULTS.md: W3-bf16-1000 x3000 10,254 tok/s at 64k, 9,833
-    at 32k, 9,667-9,754 at 16k; prefill steps at 775 vs 652 vs ~610 TFLOP/s); others 256 and
-    the engine's default budget."""
+    (throughput, all prompts at once) run 384 sequences and 65,536-token steps, the fastest of
+    the budgets the H200 runs compared (benchmarks/RESULTS.md: W3-bf16-1000; longer steps run
+    the prefill's matmuls nearer their peak); others 256 and the engine's default budget."""
     if workload_name.startswith("W3"):
         return max_num_seqs or 384, max_num_batched_tokens or 65536
     return max_num_seqs or 256, max_num_batched_tokens
