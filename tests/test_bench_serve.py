@@ -182,7 +182,9 @@ def assert_records_match_the_server(result, requests, server):
         gaps = 1000 * np.diff(sent)
         assert np.allclose(1000 * np.array(r.itl_s), gaps, atol=JITTER_MS), (r.itl_s, gaps)
         ttft_ms = 1000 * (sent[0] - start)
-        assert 0 <= 1000 * r.ttft_s - ttft_ms <= WAY_IN_MS
+        # NOTE: the server stamps a chunk once its write returns, and its thread may wait for
+        # the GIL there while the client already reads the chunk: its stamp can come late
+        assert -JITTER_MS <= 1000 * r.ttft_s - ttft_ms <= WAY_IN_MS
         tpot_ms = 1000 * (sent[-1] - sent[0]) / (r.num_output_tokens - 1)
         assert abs(1000 * r.tpot_s - tpot_ms) < JITTER_MS
 
