@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 from lantau.model.build import build_engine
 from lantau.model.manifest import MANIFEST_NAME
-from tests.test_openai_server import free_port
+from tests.test_openai_server import free_port, wait_ready
 
 CONFIG = """
 name: "tiny"
@@ -79,15 +79,7 @@ class Server:
         self.log_path = Path(repo).parent / f"server-{self.port}.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log()
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_ready(self.base, self.proc, log=self.log)
 
     def log(self) -> str:
         return self.log_path.read_text()

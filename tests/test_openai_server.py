@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -29,11 +30,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+def wait_ready(
+    base: str, proc: subprocess.Popen, timeout: float = 120.0, log: Callable[[], str] | None = None
+) -> None:
+    """Until /health answers 200; `log`: the server's output where it is not proc.stdout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read()}")
+            output = log() if log else proc.stdout.read()
+            raise RuntimeError(f"server exited with {proc.returncode}: {output}")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 return
