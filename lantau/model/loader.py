@@ -29,6 +29,28 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+_INITS = ("kaiming_uniform_", "uniform_", "normal_")  # what nn.Linear and nn.Embedding call
+
+
+@contextlib.contextmanager
+def _no_init():
+    """nn.Linear and nn.Embedding leave their parameters as allocated: build_model sets every
+    one next (load_weights and the engine loader refuse a missing one; init_random_weights
+    draws them all), so their own random init is wasted (1.2 s of the default model on CPU)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(torch.nn.init, name, _keep)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
 def build_model(
     source: ModelSource,
     config: ModelConfig,
@@ -44,7 +66,7 @@ def build_model(
     weight is quantized on the device as it is drawn or read: no wide copy of them exists."""
     if config.quantization == "fp8":
         fp8.check_device(device)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), _default_dtype(dtype), _no_init():
         model = LlamaForCausalLM(config, ops, max_positions, kernels)
     if source.kind == "random":
         model.init_random_weights(seed)
