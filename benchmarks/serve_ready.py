@@ -1,0 +1,88 @@
+"""Seconds from `lantau serve` to a healthy server, with the start-up stages the server reports
+(/status `startup_s`), for one or more source trees in the same run (runs interleaved).
+
+    .venv/bin/python benchmarks/serve_ready.py [--model M] [--runs 3] \\
+        [--tree new=. --tree old=/path/to/an/older/checkout] [-- more serve flags]
+
+Each tree runs as `python -m lantau.cli serve` with PYTHONPATH (and PYTHONSAFEPATH) set to it;
+the default model on CPU is the workload `cpu-smollm2-ready` in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_to_ready(tree: Path, model: str | None, serve_args: list[str], timeout_s: float):
+    """(seconds to /health 200, the server's startup_s) of one fresh server from `tree`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "lantau.cli", "serve", *([model] if model else [])]
+    cmd += ["--port", str(port), *serve_args]
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"{tree}: the server exited:\n{proc.stderr.read().decode()}")
+            if time.perf_counter() - start > timeout_s:
+                raise SystemExit(f"{tree}: not ready after {timeout_s} s")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        seconds = time.perf_counter() - start
+        status = httpx.get(f"http://127.0.0.1:{port}/status", timeout=5).json()
+        return seconds, status.get("startup_s", {})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="what `lantau serve` takes (default model)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--tree", action="append", default=[], metavar="NAME=PATH",
+        help="a lantau source tree to time (repeatable; default: this one)",
+    )  # fmt: skip
+    parser.add_argument("--timeout-s", type=float, default=600)
+    args, serve_args = parser.parse_known_args()
+    serve_args = [a for a in serve_args if a != "--"]
+    here = Path(__file__).resolve().parent.parent
+    trees = dict(t.split("=", 1) for t in args.tree) or {"this": str(here)}
+    seconds: dict[str, list[float]] = {name: [] for name in trees}
+    stages: dict[str, dict] = {}
+    for run in range(args.runs):
+        for name, path in trees.items():
+            took, startup = time_to_ready(Path(path).resolve(), args.model, serve_args,
+                                          args.timeout_s)  # fmt: skip
+            seconds[name].append(took)
+            stages[name] = startup
+            print(f"run {run + 1} {name}: {took:.2f} s", flush=True)
+    print(f"\n{'tree':<10} {'median s':>9} {'min s':>7}  last run's stages (s)")
+    for name, values in seconds.items():
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in stages[name].items())
+        print(f"{name:<10} {statistics.median(values):>9.2f} {min(values):>7.2f}  {parts}")
+
+
+if __name__ == "__main__":
+    main()
