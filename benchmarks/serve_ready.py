@@ -6,6 +6,8 @@
 
 Each tree runs as `python -m lantau.cli serve` with PYTHONPATH (and PYTHONSAFEPATH) set to it;
 the default model on CPU is the workload `cpu-smollm2-ready` in benchmarks/RESULTS.md.
+--cold evicts the model's weight files from the page cache before each run
+(posix_fadvise DONTNEED: no root needed, only the files' own pages).
 """
 
 from __future__ import annotations
@@ -26,6 +28,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def evict(model: str | None) -> int:
+    """Drop the model's weight files from the page cache; the bytes they hold."""
+    from lantau.model.readahead import weight_files
+    from lantau.model.source import resolve_model_source
+
+    os.sync()  # dirty pages are not dropped
+    total = 0
+    for path in weight_files(resolve_model_source(model)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
 
 
 def time_to_ready(tree: Path, model: str | None, serve_args: list[str], timeout_s: float):
@@ -65,6 +84,7 @@ def main() -> None:
         help="a lantau source tree to time (repeatable; default: this one)",
     )  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--cold", action="store_true", help="evict the weights before each run")
     args, serve_args = parser.parse_known_args()
     serve_args = [a for a in serve_args if a != "--"]
     here = Path(__file__).resolve().parent.parent
@@ -73,6 +93,8 @@ def main() -> None:
     stages: dict[str, dict] = {}
     for run in range(args.runs):
         for name, path in trees.items():
+            if args.cold:
+                evict(args.model)
             took, startup = time_to_ready(Path(path).resolve(), args.model, serve_args,
                                           args.timeout_s)  # fmt: skip
             seconds[name].append(took)
