@@ -89,4 +89,7 @@ def test_served_engine_reports_its_read_ahead(engine_folder):
 
     stages, took = asyncio.run(run())
     assert 0 <= stages["read_ahead"] <= took
-    assert list(stages)[:2] == ["engine_core", "weights"]  # the core's stages come first
+    # the core's stages first: the model built, its weights loading beside the KV-cache
+    # sizing (and on CUDA the graphs), then the wait for them
+    assert list(stages)[:2] == ["engine_core", "model"]
+    assert stages["weights"] >= 0 and stages["weights_wait"] <= stages["weights"]

@@ -21,7 +21,7 @@ from lantau.config import EngineConfig
 from lantau.engine.args import resolve_device
 from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
-from lantau.model.loader import ModelSource, build_model
+from lantau.model.loader import ModelSource, start_model
 from lantau.request import FinishReason, Request, validate_prompt
 from lantau.runner.model_runner import LaunchedStep, ModelRunner
 from lantau.scheduler.output import EngineCoreOutput, SchedulerOutput
@@ -38,7 +38,9 @@ class EngineCore:
         # seconds of each start-up stage, in order (the server reports them)
         self.startup_s: dict[str, float] = {}
         clock = time.perf_counter()
-        model = build_model(
+        # an engine folder's weights load on a thread while the KV cache is sized and the
+        # CUDA graphs captured: neither depends on the weights' values
+        model, pending = start_model(
             source,
             config.model_config,
             dtype,
@@ -47,8 +49,9 @@ class EngineCore:
             ops=config.attention_backend,
             max_positions=config.scheduler.max_model_len,
             kernels=config.kernels,
+            background=True,
         )
-        self.startup_s["weights"] = time.perf_counter() - clock
+        self.startup_s["model" if pending else "weights"] = time.perf_counter() - clock
         clock = time.perf_counter()
         num_blocks = config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
         self.startup_s["kv_profile"] = time.perf_counter() - clock
@@ -77,8 +80,21 @@ class EngineCore:
             if config.attention_backend != "triton":
                 raise ValueError("CUDA graphs need attention_backend='triton' (or enforce_eager)")
             clock = time.perf_counter()
-            self.runner.capture_cuda_graphs()
+            try:
+                self.runner.capture_cuda_graphs()
+            except RuntimeError as e:
+                if pending is None or pending.done:
+                    raise
+                logger.warning("CUDA graph capture beside the weights' load failed (%s); "
+                               "capturing again after it", e)  # fmt: skip
+                pending.wait()
+                self.runner.capture_cuda_graphs()
             self.startup_s["cuda_graphs"] = time.perf_counter() - clock
+        if pending is not None:
+            clock = time.perf_counter()
+            pending.wait()
+            self.startup_s["weights"] = pending.seconds  # beside the two stages before
+            self.startup_s["weights_wait"] = time.perf_counter() - clock
 
     def validate(self, prompt_token_ids: list[int]) -> None:
         validate_prompt(

@@ -51,14 +51,17 @@ def load_engine_weights(
     *,
     verify_checksums: bool = True,
     num_threads: int | None = None,
+    synchronize: bool = True,
 ) -> None:
     """Fill every parameter of `model` from the folder's shards (ModelLoadError on any
-    mismatch: layout, size, checksum)."""
+    mismatch: layout, size, checksum). Each tensor's copies are done when this returns.
+    `synchronize`: first wait for the device's queued work (kernels that write the
+    parameters); a caller on another thread does that itself, before it starts this."""
     check_layout(folder, manifest, tensor_specs(model))
     params = engine_tensors(model)
     device = next(iter(params.values())).device
     num_threads = num_threads or min(len(manifest.shards), os.cpu_count() or 1, 16)
-    if device.type == "cuda":  # NOTE: the parameters' init kernels end before copies overwrite
+    if device.type == "cuda" and synchronize:
         torch.cuda.synchronize(device)
     local = threading.local()  # each thread's staging buffer and stream (CUDA)
 
@@ -68,8 +71,6 @@ def load_engine_weights(
 
     with torch.no_grad(), ThreadPoolExecutor(max(1, num_threads)) as pool:
         list(pool.map(load, manifest.shards))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _read_header(f, path: Path) -> tuple[bytes, dict]:

@@ -208,7 +208,8 @@ class CudaGraphRunner:
                     self._step(bs, max_seq_len, turn)
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
+                    # thread_local: the weights may still be loading on other threads (start_model)
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                         logits, token_ids = self._step(bs, max_seq_len, turn)
                     pool = graph.pool()
                     graphs[bs] = (graph, logits, token_ids)

@@ -114,7 +114,8 @@ class MixedGraphRunner:
             self.forward(t)  # warm-up: compiles kernels, settles the allocator
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: the weights may still be loading on other threads (start_model)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 hidden = self.forward(t)
             pool = graph.pool()
             self.graphs[t] = (graph, hidden)
