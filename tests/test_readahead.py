@@ -68,10 +68,18 @@ def test_stop_ends_the_threads_early(tmp_path):
     assert reader.num_bytes < 40 * (16 << 20)
 
 
-def test_a_missing_file_is_left_to_the_loader(tmp_path):
+def test_a_missing_file_is_left_to_the_loader(tmp_path, engine_folder):
     reader = ReadAhead([tmp_path / "absent.safetensors"])
     reader.join(timeout=10)
     assert reader.done and reader.num_bytes == 0
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in engine_folder.iterdir():
+        if path.is_file():
+            (broken / path.name).write_bytes(path.read_bytes())
+    source = resolve_model_source(str(broken))
+    (broken / "lantau-engine.json").write_text("{")  # a corrupt manifest: the loader says so
+    assert ReadAhead.for_source(source) is None
 
 
 def test_served_engine_reports_its_read_ahead(engine_folder):

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from lantau.errors import ModelLoadError
 from lantau.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class ReadAhead:
         try:
             paths = weight_files(source)
             total = sum(p.stat().st_size for p in paths)
-        except (OSError, ValueError) as e:  # the loader reports a bad folder properly
+        except (OSError, ValueError, ModelLoadError) as e:  # the loader reports a bad folder
             logger.debug("no read-ahead: %s", e)
             return None
         if not paths:
