@@ -31,7 +31,8 @@ def _add_scheduling_args(p: argparse.ArgumentParser, long_prefill_tokens: int = 
         "--long-prefill-token-threshold",
         type=int,
         default=long_prefill_tokens,
-        help="longer prompts run in equal chunks of at most this many tokens a step (0: off)",
+        help="longer prompts run in equal chunks of at most this many tokens a step, a chunk "
+        "taking the padding of its step's CUDA graph besides (0: off)",
     )
     p.add_argument(
         "--no-async-scheduling",

@@ -114,6 +114,36 @@ def test_long_prefill_threshold_caps_each_prompt_not_the_step():
     assert sched.kv_cache.num_free_blocks == 64
 
 
+def test_a_chunk_takes_its_steps_padding():
+    """With the runner's padding known (a step with prompt tokens computes its CUDA graph
+    bucket's tokens: multiples of 8 here), a capped prompt's chunk grows into the padding its
+    step would compute anyway, never past its prompt; steps with no padding left, and last
+    chunks, are as without it; the tokens are those of a run without padding."""
+    sched = make_scheduler(max_num_batched_tokens=40, long_prefill_token_threshold=8)
+    sched.padded_step_tokens = lambda n: -(-n // 8) * 8 if n <= 32 else n
+    decodes = [add(sched, f"d{i}", 4, max_tokens=6) for i in range(3)]
+    runner = FakeRunner()
+    sched.update(first := sched.schedule(), runner.execute(first))  # the three prefill
+    assert first.num_scheduled_tokens == {"d0": 4, "d1": 4, "d2": 4}
+    long = add(sched, "long", 19, max_tokens=3)
+    out = sched.schedule()
+    # 3 decodes + a 7-token chunk (19 in 7 + 6 + 6) = 10 tokens, padded to 16: the chunk takes 13
+    assert out.num_scheduled_tokens == {"d0": 1, "d1": 1, "d2": 1, "long": 13}
+    sched.update(out, runner.execute(out))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"d0": 1, "d1": 1, "d2": 1, "long": 6}  # the rest
+    sched.update(out, runner.execute(out))
+    run_to_completion(sched, runner)
+    plain = make_scheduler(max_num_batched_tokens=40, long_prefill_token_threshold=8)
+    same = [add(plain, f"d{i}", 4, max_tokens=6) for i in range(3)]
+    plain_runner = FakeRunner()
+    plain.update(first := plain.schedule(), plain_runner.execute(first))
+    same.append(add(plain, "long", 19, max_tokens=3))
+    run_to_completion(plain, plain_runner)
+    assert [r.output_token_ids for r in [*decodes, long]] == [r.output_token_ids for r in same]
+    assert sched.kv_cache.num_free_blocks == 64
+
+
 def test_max_num_seqs():
     sched = make_scheduler(max_num_seqs=2)
     for i in range(5):

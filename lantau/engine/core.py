@@ -90,6 +90,7 @@ class EngineCore:
                 pending.wait()
                 self.runner.capture_cuda_graphs()
             self.startup_s["cuda_graphs"] = time.perf_counter() - clock
+            self.scheduler.padded_step_tokens = self.runner.mixed_graphs.padded_tokens
         if pending is not None:
             clock = time.perf_counter()
             pending.wait()

@@ -87,6 +87,11 @@ class MixedGraphRunner:
     def bucket(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
 
+    def padded_tokens(self, num_tokens: int) -> int:
+        """The tokens a step of num_tokens with prompt tokens computes: its bucket's, or its
+        own when it runs eagerly."""
+        return self.bucket(num_tokens) if num_tokens <= self.max_tokens else num_tokens
+
     def forward(self, num_tokens: int) -> torch.Tensor:
         """What bucket num_tokens's graph runs: the model's body on the staged buffers,
         [num_tokens, hidden_size]."""

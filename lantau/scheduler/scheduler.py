@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 
 from lantau.config import SchedulerConfig
 from lantau.kv_cache.manager import KVCacheManager, cdiv
@@ -45,6 +46,10 @@ class Scheduler:
         self.num_prefix_queried_tokens = 0  # since start: tokens of admitted requests ...
         self.num_prefix_hit_tokens = 0  # ... and those of them the prefix cache held
         self.newly_scheduled: list[str] = []  # scheduled for the first time; the core drains it
+        # the tokens a step with prompt tokens really computes, given its own (its CUDA graph
+        # bucket's padding; the runner's, set once its graphs are captured): a prompt's chunk
+        # grows into that padding instead of leaving it to filler tokens
+        self.padded_step_tokens: Callable[[int], int] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -109,7 +114,7 @@ class Scheduler:
                 i += 1  # its pending tokens end it: nothing left to compute
                 continue
             remaining = num_tokens - request.num_computed_tokens
-            num_new = min(self._chunk(remaining), budget)
+            num_new = min(self._chunk(remaining, self._num_scheduled(budget)), budget)
             if not self.config.enable_chunked_prefill and num_new < remaining:
                 break
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
@@ -131,14 +136,24 @@ class Scheduler:
             i += 1
         return budget
 
-    def _chunk(self, remaining: int) -> int:
+    def _num_scheduled(self, budget: int) -> int:
+        """Tokens already in this step, from the budget left."""
+        return self.config.max_num_batched_tokens - budget
+
+    def _chunk(self, remaining: int, num_scheduled: int) -> int:
         """A request's prompt tokens this step, before the budget: a prompt longer than the
         threshold is cut into equal chunks no longer than it (467 at 256: 234 + 233, so that
-        neither step is much longer than the other)."""
+        neither step is much longer than the other), except that a chunk takes the padding
+        its step would compute anyway (padded_step_tokens; beside 25 decodes, 234 tokens make
+        a 259-token step padded to 320, so the chunk takes 295 and the next 172)."""
         cap = self.config.long_prefill_token_threshold
         if not cap or remaining <= cap or not self.config.enable_chunked_prefill:
             return remaining
-        return cdiv(remaining, cdiv(remaining, cap))
+        chunk = cdiv(remaining, cdiv(remaining, cap))
+        if self.padded_step_tokens is not None:
+            padded = self.padded_step_tokens(num_scheduled + chunk)
+            chunk = max(chunk, min(remaining, padded - num_scheduled))
+        return chunk
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(request)
@@ -169,7 +184,7 @@ class Scheduler:
             ):
                 return  # FCFS: nothing behind it jumps the queue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-            num_new = self._chunk(request.num_tokens - num_cached)
+            num_new = self._chunk(request.num_tokens - num_cached, self._num_scheduled(budget))
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     return
