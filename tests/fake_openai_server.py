@@ -86,7 +86,29 @@ class FakeOpenAIServer:
             f'fake_running{{model="fake-model"}} {self.num_in_flight}\n'
             'fake_latency_seconds_bucket{le="0.1"} 3\n'
         )
-        return web.Response(text=text)
+        return web.Response(text=text + self._lantau_metrics())
+
+    def _lantau_metrics(self) -> str:
+        """lantau's histograms as this server's streams so far make them (its TTFT: body read
+        to first chunk, all of it prefill; no queue), and one engine step a chunk."""
+        streams = list(self.streams.values())
+        ttfts = [sent[0] - start for start, sent in streams if sent]
+        gaps = [b - a for _, sent in streams for a, b in zip(sent, sent[1:], strict=False)]
+        chunks = sum(len(sent) for _, sent in streams)
+        label = '{model_name="fake-model"}'
+        lines = []
+        for name, values in (
+            ("time_to_first_token_seconds", ttfts),
+            ("request_prefill_time_seconds", ttfts),
+            ("request_queue_time_seconds", [0.0] * len(ttfts)),
+            ("inter_token_latency_seconds", gaps),
+        ):
+            lines += [f"lantau:{name}_sum{label} {sum(values)!r}",
+                      f"lantau:{name}_count{label} {len(values)}"]  # fmt: skip
+        lines += [f"lantau:engine_steps_total{label} {chunks}",
+                  f"lantau:engine_step_time_seconds_total{label} {sum(gaps)!r}",
+                  f"lantau:engine_generated_tokens_total{label} {chunks}"]  # fmt: skip
+        return "\n".join(lines) + "\n"
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

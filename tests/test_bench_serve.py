@@ -313,6 +313,31 @@ def test_server_metrics_sampled_or_absent():
     assert result.server_metrics == {"status": "absent (HTTP 404)", "num_samples": 0, "series": {}}
 
 
+def test_time_breakdown_from_the_servers_histograms():
+    """The server's own TTFT and ITL (its /metrics histograms' rise over the run, sampled
+    once more after the last request) beside the client's: the means are the server's exact
+    ones, and what the client saw beyond them is put outside the engine."""
+    script = Script(ttft_s=0.04, itl_s=0.01)
+    with FakeOpenAIServer(lambda body: script, with_metrics=True) as server:
+        result = run_serve(config(server, num_requests=6, rate=50.0, metrics_interval_s=0.05))
+        streams = list(server.streams.values())
+    b = result.to_dict()["time_breakdown"]
+    ttfts = [sent[0] - start for start, sent in streams]
+    gaps = [y - x for _, sent in streams for x, y in zip(sent, sent[1:], strict=False)]
+    assert len(ttfts) == 6
+    assert b["server_ttft_ms"] == pytest.approx(1000 * sum(ttfts) / 6)
+    assert b["server_prefill_ms"] == b["server_ttft_ms"] and b["server_queue_ms"] == 0
+    assert b["server_itl_ms"] == pytest.approx(1000 * sum(gaps) / len(gaps))
+    assert b["client_ttft_ms"] == pytest.approx(result.summary.ttft.mean, abs=1e-5)  # JSON
+    assert b["outside_engine_ttft_ms"] == pytest.approx(b["client_ttft_ms"] - b["server_ttft_ms"])
+    assert 0 <= b["outside_engine_ttft_ms"] < 20  # loopback HTTP and parsing
+    assert b["engine_steps"] == sum(len(sent) for _, sent in streams)
+    assert b["step_ms"] == pytest.approx(1000 * sum(gaps) / b["engine_steps"])
+    assert "Where the time went" in report.summary_text(result.to_dict())
+    with FakeOpenAIServer(lambda body: script) as server:  # no /metrics: no breakdown
+        assert run_serve(config(server, num_requests=2)).to_dict()["time_breakdown"] is None
+
+
 def test_cli_serve_report_with_before(tmp_path, capsys):
     with FakeOpenAIServer(lambda body: Script(ttft_s=0.02, itl_s=0.005)) as server:
         flags = ["--url", server.url, "--workload", "random:8/4", "--num-prompts", "5",
@@ -390,6 +415,12 @@ def test_against_lantau_serve(tmp_path):
     assert s["num_output_tokens"] == 16 and s["num_prompt_tokens"] == 64  # the server's usage
     assert s["ttft"]["p50"] > 0 and s["e2e"]["p99"] >= s["ttft"]["p99"]
     assert result["config"]["model"] == "random:tiny"
+    b = result["time_breakdown"]  # lantau's histograms, under the names the breakdown reads
+    assert b["server_queue_ms"] + b["server_prefill_ms"] == pytest.approx(
+        b["server_ttft_ms"], rel=1e-3, abs=1e-3
+    )
+    assert 0 < b["server_ttft_ms"] <= b["client_ttft_ms"] and b["server_itl_ms"] > 0
+    assert b["engine_steps"] >= 4 and b["step_ms"] > 0 and b["tokens_per_step"] > 0
     for name in ("report.md", "report.html", "latency_cdf.png"):
         assert (tmp_path / name).exists()
 

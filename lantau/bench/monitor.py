@@ -98,24 +98,30 @@ class MetricsSampler:
     async def run(self, session, start: float) -> None:
         """Samples until cancelled; `session` is an aiohttp.ClientSession, `start` the run's
         perf_counter origin."""
+        while await self.sample(session, start):
+            await asyncio.sleep(self.interval_s)
+
+    async def sample(self, session, start: float) -> bool:
+        """One scrape; False once the server proved to have no /metrics."""
         import aiohttp
 
-        while True:
-            try:
-                async with session.get(self.url, timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    if r.status != 200:
-                        if not self.samples:
-                            self.status = f"absent (HTTP {r.status})"
-                            return
-                    else:
-                        text = await r.text()
-                        self.samples.append((time.perf_counter() - start, parse_prometheus(text)))
-                        self.status = "sampled"
-            except (aiohttp.ClientError, TimeoutError) as e:
-                if not self.samples:
-                    self.status = f"unreachable ({type(e).__name__})"
-                    return
-            await asyncio.sleep(self.interval_s)
+        if self.status.startswith(("absent", "unreachable")):
+            return False
+        try:
+            async with session.get(self.url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status != 200:
+                    if not self.samples:
+                        self.status = f"absent (HTTP {r.status})"
+                        return False
+                else:
+                    text = await r.text()
+                    self.samples.append((time.perf_counter() - start, parse_prometheus(text)))
+                    self.status = "sampled"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            if not self.samples:
+                self.status = f"unreachable ({type(e).__name__})"
+                return False
+        return True
 
     def summary(self) -> dict:
         """Counters (_total, _count, _sum) as their rise over the run; gauges as mean and max."""

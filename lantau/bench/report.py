@@ -123,6 +123,25 @@ def _throughput_table(run: dict) -> Block:
     return ("table", header, [[str(v) for v in row]])
 
 
+def _breakdown_blocks(run: dict) -> list[Block]:
+    b = run.get("time_breakdown")
+    if not b:
+        return []
+    rows = [
+        ["TTFT as the client saw it", _fmt(b["client_ttft_ms"], 2)],
+        ["queue (arrival to first scheduling)", _fmt(b["server_queue_ms"], 2)],
+        ["prefill (first scheduling to first token)", _fmt(b["server_prefill_ms"], 2)],
+        ["the server's TTFT", _fmt(b["server_ttft_ms"], 2)],
+        ["outside the engine (HTTP, frontend, client)", _fmt(b["outside_engine_ttft_ms"], 2)],
+        ["ITL as the client saw it", _fmt(b["client_itl_ms"], 2)],
+        ["the server's ITL", _fmt(b["server_itl_ms"], 2)],
+        ["engine step, wall time", _fmt(b["step_ms"], 2)],
+    ]
+    note = (f"{b['engine_steps']:.0f} engine steps, {_fmt(b['tokens_per_step'], 1)} tokens "
+            "sampled a step; server figures from its /metrics histograms over the run")  # fmt: skip
+    return [("h2", "Where the time went (means)"), ("table", ["stage", "ms"], rows), ("p", note)]
+
+
 def _metrics_blocks(run: dict) -> list[Block]:
     m = run["server_metrics"]
     blocks: list[Block] = [("h2", "Server /metrics"), ("p", f"{m['status']}, "
@@ -148,7 +167,7 @@ def serve_blocks(result: dict) -> list[Block]:
     ]
     if s["errors"]:
         blocks.append(("table", ["error", "count"], [[k, str(n)] for k, n in s["errors"].items()]))
-    return blocks + _metrics_blocks(result)
+    return blocks + _breakdown_blocks(result) + _metrics_blocks(result)
 
 
 def sweep_blocks(result: dict) -> list[Block]:

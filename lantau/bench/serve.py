@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from urllib.parse import urlsplit
 
 from lantau.bench.monitor import GpuUtilSampler, MetricsSampler
-from lantau.bench.stats import RequestRecord, ServeSummary, Slo, summarize
+from lantau.bench.stats import RequestRecord, ServeSummary, Slo, summarize, time_breakdown
 from lantau.bench.workloads import make_workload
 
 try:  # NOTE: orjson parses SSE chunks faster; the GPU image has only json
@@ -88,6 +88,7 @@ class ServeResult:
             "gpu_util_mean": _mean([u for _, u in self.gpu_util]),
             "gpu_util": [list(s) for s in self.gpu_util],
             "server_metrics": self.server_metrics,
+            "time_breakdown": time_breakdown(self.summary, self.server_metrics.get("series", {})),
             "records": [{**asdict(r), "tpot_s": r.tpot_s} for r in self.records],
         }
         return jsonable(out)
@@ -406,6 +407,7 @@ async def run_serve_async(
             duration = time.perf_counter() - origin
             sampling.cancel()
             await asyncio.gather(sampling, return_exceptions=True)
+            await metrics.sample(session, origin)  # every request ended: the run's last figures
         progress.close()
     return ServeResult(
         config=replace(config, model=model),

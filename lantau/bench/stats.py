@@ -163,3 +163,49 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
         meets_slo=within and not errors and bool(done),
         **stats,
     )
+
+
+# lantau's server histograms the breakdown reads: key -> metric name (each with _sum, _count)
+SERVER_LATENCIES = {
+    "queue": "lantau:request_queue_time_seconds",  # arrival -> first scheduling
+    "prefill": "lantau:request_prefill_time_seconds",  # first scheduling -> first token
+    "ttft": "lantau:time_to_first_token_seconds",
+    "itl": "lantau:inter_token_latency_seconds",
+}
+
+
+def series_rise(series: dict[str, dict], name: str) -> float:
+    """A counter's rise over the run (MetricsSampler.summary()["series"]), summed over its
+    label sets (models, versions)."""
+    return sum(v.get("delta", 0.0) for key, v in series.items() if key.split("{", 1)[0] == name)
+
+
+def time_breakdown(summary: ServeSummary, series: dict[str, dict]) -> dict[str, float] | None:
+    """Where a request's time went, means in ms: the server's own histograms over the run
+    (queue, then prefill: together its TTFT) against the TTFT the client saw; the difference is
+    spent outside the engine (HTTP, the frontend's detokenization and SSE, the client). With
+    the engine's steps (count, mean wall time, tokens sampled a step). None when the server
+    exports none of lantau's histograms."""
+
+    def mean_ms(name: str) -> float:
+        count = series_rise(series, name + "_count")
+        return 1000 * series_rise(series, name + "_sum") / count if count else math.nan
+
+    server = {key: mean_ms(name) for key, name in SERVER_LATENCIES.items()}
+    if all(math.isnan(v) for v in server.values()):
+        return None
+    steps = series_rise(series, "lantau:engine_steps_total")
+    step_s = series_rise(series, "lantau:engine_step_time_seconds_total")
+    tokens = series_rise(series, "lantau:engine_generated_tokens_total")
+    return {
+        "client_ttft_ms": summary.ttft.mean,
+        "server_queue_ms": server["queue"],
+        "server_prefill_ms": server["prefill"],
+        "server_ttft_ms": server["ttft"],
+        "outside_engine_ttft_ms": summary.ttft.mean - server["ttft"],
+        "client_itl_ms": summary.itl.mean,
+        "server_itl_ms": server["itl"],
+        "engine_steps": steps,
+        "step_ms": 1000 * step_s / steps if steps else math.nan,
+        "tokens_per_step": tokens / steps if steps else math.nan,
+    }
