@@ -21,7 +21,7 @@ from lantau.config import EngineConfig
 from lantau.engine.args import resolve_device
 from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
-from lantau.model.loader import ModelSource, start_model
+from lantau.model.loader import ModelSource, build_model, load_in_background
 from lantau.request import FinishReason, Request, validate_prompt
 from lantau.runner.model_runner import LaunchedStep, ModelRunner
 from lantau.scheduler.output import EngineCoreOutput, SchedulerOutput
@@ -40,7 +40,8 @@ class EngineCore:
         clock = time.perf_counter()
         # an engine folder's weights load on a thread while the KV cache is sized and the
         # CUDA graphs captured: neither depends on the weights' values
-        model, pending = start_model(
+        background = source.kind == "engine"
+        model = build_model(
             source,
             config.model_config,
             dtype,
@@ -49,8 +50,9 @@ class EngineCore:
             ops=config.attention_backend,
             max_positions=config.scheduler.max_model_len,
             kernels=config.kernels,
-            background=True,
+            load=not background,
         )
+        pending = load_in_background(model, source) if background else None
         self.startup_s["model" if pending else "weights"] = time.perf_counter() - clock
         clock = time.perf_counter()
         num_blocks = config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)

@@ -62,18 +62,38 @@ def build_model(
     ops: str = "torch",
     max_positions: int = 0,
     kernels: KernelConfig | None = None,
+    *,
+    load: bool = True,
 ) -> LlamaForCausalLM:
     """The model on `device` in `dtype`, with its weights (random ones drawn there). With
     config.quantization "fp8" the decoder's linear layers are allocated in e4m3 and each
-    weight is quantized on the device as it is drawn or read: no wide copy of them exists."""
-    model, pending = start_model(source, config, dtype, device, seed, ops, max_positions,
-                                 kernels, background=False)  # fmt: skip
-    assert pending is None
+    weight is quantized on the device as it is drawn or read: no wide copy of them exists.
+    `load=False`: the parameters left unset, for load_in_background."""
+    if config.quantization == "fp8":
+        fp8.check_device(device)
+    with torch.device(device), _default_dtype(dtype), _no_init():
+        model = LlamaForCausalLM(config, ops, max_positions, kernels)
+    model.eval()
+    if not load:
+        return model
+    if source.kind == "random":
+        model.init_random_weights(seed)
+    elif source.kind == "engine":
+        from lantau.model.engine_loader import load_engine_weights
+        from lantau.model.manifest import read_manifest
+
+        load_engine_weights(model, source.path, read_manifest(source.path))
+    elif source.kind == "hf":
+        model.load_weights(hf_loader.iter_hf_weights(source.path))
+    else:
+        from lantau.model import gguf_loader
+
+        model.load_weights(gguf_loader.iter_gguf_weights(source.path, config))
     return model
 
 
 class PendingWeights:
-    """An engine folder's weights still loading on a thread (`start_model(background=True)`)."""
+    """An engine folder's weights loading on a thread (load_in_background)."""
 
     def __init__(self, load) -> None:
         self.seconds = 0.0  # the load's own duration, once done
@@ -101,45 +121,20 @@ class PendingWeights:
             raise self._error
 
 
-def start_model(
-    source: ModelSource,
-    config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    seed: int,
-    ops: str = "torch",
-    max_positions: int = 0,
-    kernels: KernelConfig | None = None,
-    *,
-    background: bool,
-) -> tuple[LlamaForCausalLM, PendingWeights | None]:
-    """build_model, except that with `background` an engine folder loads on a thread
-    (returned, None otherwise): the caller may run what only needs the parameters' memory,
-    not their values (the KV-cache profile, CUDA graph capture), and must wait for it before
-    anything whose results matter."""
-    if config.quantization == "fp8":
-        fp8.check_device(device)
-    with torch.device(device), _default_dtype(dtype), _no_init():
-        model = LlamaForCausalLM(config, ops, max_positions, kernels)
-    model.eval()
-    if source.kind == "random":
-        model.init_random_weights(seed)
-    elif source.kind == "engine":
-        from lantau.model.engine_loader import load_engine_weights
-        from lantau.model.manifest import read_manifest
+def load_in_background(model: LlamaForCausalLM, source: ModelSource) -> PendingWeights:
+    """An engine folder's weights loading into `model` (built with load=False) on a thread:
+    meanwhile the caller may run what needs the parameters' memory but not their values (the
+    KV-cache profile, CUDA graph capture), and must wait for it before anything whose results
+    matter."""
+    from lantau.model.engine_loader import load_engine_weights
+    from lantau.model.manifest import read_manifest
 
-        manifest = read_manifest(source.path)
-        if background:
-            if device.type == "cuda":  # the construction's kernels end before copies land
-                torch.cuda.synchronize(device)
-            return model, PendingWeights(
-                lambda: load_engine_weights(model, source.path, manifest, synchronize=False)
-            )
-        load_engine_weights(model, source.path, manifest)
-    elif source.kind == "hf":
-        model.load_weights(hf_loader.iter_hf_weights(source.path))
-    else:
-        from lantau.model import gguf_loader
-
-        model.load_weights(gguf_loader.iter_gguf_weights(source.path, config))
-    return model, None
+    if source.kind != "engine":
+        raise ValueError(f"only an engine folder loads in the background, not {source.kind!r}")
+    manifest = read_manifest(source.path)
+    device = model.lm_head.weight.device
+    if device.type == "cuda":  # the construction's kernels end before copies land
+        torch.cuda.synchronize(device)
+    return PendingWeights(
+        lambda: load_engine_weights(model, source.path, manifest, synchronize=False)
+    )

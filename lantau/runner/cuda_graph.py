@@ -208,7 +208,7 @@ class CudaGraphRunner:
                     self._step(bs, max_seq_len, turn)
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
-                    # thread_local: the weights may still be loading on other threads (start_model)
+                    # thread_local: the weights may be loading on other threads (load_in_background)
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                         logits, token_ids = self._step(bs, max_seq_len, turn)
                     pool = graph.pool()

@@ -119,7 +119,7 @@ class MixedGraphRunner:
             self.forward(t)  # warm-up: compiles kernels, settles the allocator
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the weights may still be loading on other threads (start_model)
+            # thread_local: the weights may be loading on other threads (load_in_background)
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 hidden = self.forward(t)
             pool = graph.pool()
