@@ -101,6 +101,7 @@ class FakeOpenAIServer:
             ("time_to_first_token_seconds", ttfts),
             ("request_prefill_time_seconds", ttfts),
             ("request_queue_time_seconds", [0.0] * len(ttfts)),
+            ("request_dispatch_time_seconds", [0.0] * len(ttfts)),
             ("inter_token_latency_seconds", gaps),
         ):
             lines += [f"lantau:{name}_sum{label} {sum(values)!r}",

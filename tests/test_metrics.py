@@ -92,6 +92,7 @@ def test_metrics_count_known_traffic_exactly(make_server):
     for name in (
         "time_to_first_token_seconds", "e2e_request_latency_seconds",
         "request_queue_time_seconds", "request_prefill_time_seconds",
+        "request_dispatch_time_seconds",
         "request_decode_time_seconds", "time_per_output_token_seconds",
         "request_prompt_tokens", "request_generation_tokens",
     ):  # fmt: skip
@@ -110,6 +111,8 @@ def test_metrics_count_known_traffic_exactly(make_server):
         m[f"lantau:request_{p}_time_seconds_sum" + LABEL] for p in ("queue", "prefill", "decode")
     )
     assert abs(e2e - parts) < 0.05 * e2e + 0.01
+    dispatch = m["lantau:request_dispatch_time_seconds_sum" + LABEL]
+    assert 0 < dispatch <= m["lantau:request_queue_time_seconds_sum" + LABEL]
 
     # the request log: one JSON line per inference request, the refusals too
     lines = [json.loads(x) for x in server.close().splitlines() if x.startswith('{"time"')]
@@ -117,6 +120,7 @@ def test_metrics_count_known_traffic_exactly(make_server):
     done = [x for x in lines if x["status"] == "200"]
     assert sorted(x["num_output_tokens"] for x in done) == sorted(outputs)
     assert all(x["finish_reason"] == "length" and x["e2e_s"] >= x["ttft_s"] for x in done)
+    assert all(0 < x["dispatch_s"] <= x["queue_s"] for x in done)
 
 
 def test_prefix_hits_are_counted(make_server):

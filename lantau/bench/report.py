@@ -130,6 +130,7 @@ def _breakdown_blocks(run: dict) -> list[Block]:
     rows = [
         ["TTFT as the client saw it", _fmt(b["client_ttft_ms"], 2)],
         ["queue (arrival to first scheduling)", _fmt(b["server_queue_ms"], 2)],
+        ["of which dispatch (arrival to the engine core)", _fmt(b.get("server_dispatch_ms"), 2)],
         ["prefill (first scheduling to first token)", _fmt(b["server_prefill_ms"], 2)],
         ["the server's TTFT", _fmt(b["server_ttft_ms"], 2)],
         ["outside the engine (HTTP, frontend, client)", _fmt(b["outside_engine_ttft_ms"], 2)],

@@ -167,6 +167,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
 
 # lantau's server histograms the breakdown reads: key -> metric name (each with _sum, _count)
 SERVER_LATENCIES = {
+    "dispatch": "lantau:request_dispatch_time_seconds",  # arrival -> the core takes it
     "queue": "lantau:request_queue_time_seconds",  # arrival -> first scheduling
     "prefill": "lantau:request_prefill_time_seconds",  # first scheduling -> first token
     "ttft": "lantau:time_to_first_token_seconds",
@@ -182,8 +183,9 @@ def series_rise(series: dict[str, dict], name: str) -> float:
 
 def time_breakdown(summary: ServeSummary, series: dict[str, dict]) -> dict[str, float] | None:
     """Where a request's time went, means in ms: the server's own histograms over the run
-    (queue, then prefill: together its TTFT) against the TTFT the client saw; the difference is
-    spent outside the engine (HTTP, the frontend's detokenization and SSE, the client). With
+    (queue, of which dispatch to the engine core, then prefill: together its TTFT) against the
+    TTFT the client saw; the difference is spent outside the engine (HTTP, the frontend's
+    detokenization and SSE, the client). With
     the engine's steps (count, mean wall time, tokens sampled a step). None when the server
     exports none of lantau's histograms."""
 
@@ -199,6 +201,7 @@ def time_breakdown(summary: ServeSummary, series: dict[str, dict]) -> dict[str, 
     tokens = series_rise(series, "lantau:engine_generated_tokens_total")
     return {
         "client_ttft_ms": summary.ttft.mean,
+        "server_dispatch_ms": server["dispatch"],
         "server_queue_ms": server["queue"],
         "server_prefill_ms": server["prefill"],
         "server_ttft_ms": server["ttft"],

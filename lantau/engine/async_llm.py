@@ -328,6 +328,8 @@ class AsyncLLM:
         self.stats = msg.stats
         for child_id, error in msg.rejected.items():
             self._reject(child_id, error)
+        if msg.received and self.timings:
+            self._note_received(msg.received)
         if msg.scheduled and self.timings:
             self._note_scheduled(msg.scheduled)
         outputs, stopped = self.processor.process(msg.outputs)
@@ -345,6 +347,13 @@ class AsyncLLM:
                 else:
                     timing.first_token_s = now
                 timing.last_token_s = now
+
+    def _note_received(self, received: dict[str, float]) -> None:
+        """When the core took each request (its first child)."""
+        for child_id, at in received.items():
+            timing = self.timings.get(child_id.rsplit("#", 1)[0])
+            if timing is not None and not timing.received_s:
+                timing.received_s = at
 
     def _note_scheduled(self, scheduled: dict[str, float]) -> None:
         """The first scheduling of each request (its first child's)."""

@@ -151,12 +151,13 @@ def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock) -> None:
     decoder = msgspec.msgpack.Decoder(FrontendMessage)
     clock, delay = StepClock(), StepDelay.from_env(core.config.model)
     scheduled: dict[str, float] = {}  # first schedulings not sent yet
+    received: dict[str, float] = {}  # requests taken, not reported yet
     last_sent = 0.0
     while os.getppid() == parent:
         timeout_ms = 0 if core.has_unfinished_requests else int(HEARTBEAT_S * 1000)
         rejected: dict[str, str] = {}
         while in_sock.poll(timeout_ms):
-            _handle(core, decoder.decode(in_sock.recv()), rejected)
+            _handle(core, decoder.decode(in_sock.recv()), rejected, received)
             timeout_ms = 0
         outputs = []
         if core.has_unfinished_requests:
@@ -171,8 +172,9 @@ def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock) -> None:
         now = time.monotonic()
         if outputs or rejected or now - last_sent >= HEARTBEAT_S:
             stats = core_stats(core, clock)
-            out_sock.send(encoder.encode(CoreOutputs(outputs, stats, rejected, scheduled)))
-            scheduled, last_sent = {}, now
+            message = CoreOutputs(outputs, stats, rejected, scheduled, received)
+            out_sock.send(encoder.encode(message))
+            scheduled, received, last_sent = {}, {}, now
 
 
 def _log_late_compiles() -> None:
@@ -196,8 +198,9 @@ def _exit_with_parent(parent: int, poll_s: float = 0.2) -> None:
     os._exit(0)
 
 
-def _handle(core: EngineCore, msg, rejected: dict[str, str]) -> None:
+def _handle(core: EngineCore, msg, rejected: dict[str, str], received: dict[str, float]) -> None:
     if isinstance(msg, AddRequests):
+        received.update(dict.fromkeys((new.request_id for new in msg.requests), time.monotonic()))
         for new in msg.requests:
             try:
                 core.add_request(new.to_request())

@@ -83,6 +83,8 @@ class CoreOutputs(msgspec.Struct, array_like=True):
     # request id -> time.monotonic() of the step that first scheduled it (for queue times;
     # CLOCK_MONOTONIC is one clock for every process of the machine)
     scheduled: dict[str, float] = msgspec.field(default_factory=dict)
+    # request id -> time.monotonic() when the core took it off its socket (dispatch times)
+    received: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class CoreReady(msgspec.Struct, array_like=True):

@@ -35,6 +35,11 @@ LATENCY_HELP = {
     ),
     "inter_token_latency_seconds": ("itl", "Time between two output chunks of a request."),
     "e2e_request_latency_seconds": ("e2e", "Time from arrival to the last output token."),
+    "request_dispatch_time_seconds": (
+        "dispatch",
+        "Time from arrival to the engine core taking the request (tokenization, admission, "
+        "the frontend-to-core message).",
+    ),
     "request_queue_time_seconds": ("queue", "Time from arrival to the first scheduling."),
     "request_prefill_time_seconds": (
         "prefill",

@@ -35,6 +35,7 @@ LATENCY_HISTOGRAMS = {
     "itl": "itl",
     "tpot": "itl",
     "e2e": "e2e",
+    "dispatch": "itl",
     "queue": "e2e",
     "prefill": "ttft",
     "decode": "e2e",
@@ -96,6 +97,7 @@ class RequestTiming:
 
     arrival_s: float  # generate() was called
     num_prompt_tokens: int
+    received_s: float = 0.0  # the core took it off its socket (0: not yet)
     scheduled_s: float = 0.0  # the core first scheduled it (0: not yet)
     first_token_s: float = 0.0  # its first output arrived (0: not yet)
     last_token_s: float = 0.0
@@ -111,6 +113,7 @@ class RequestRecord:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    dispatch_s: float | None
     queue_s: float | None
     ttft_s: float | None
     prefill_s: float | None
@@ -182,6 +185,7 @@ class EngineMetrics:
         num_cached = output.num_cached_tokens if output is not None else 0
         record = RequestRecord(
             request_id, reason, t.num_prompt_tokens, num_out, num_cached,
+            dispatch_s=_since(t.received_s, t.arrival_s),
             queue_s=_since(t.scheduled_s, t.arrival_s),
             ttft_s=_since(t.first_token_s, t.arrival_s),
             prefill_s=_since(t.first_token_s, t.scheduled_s),
@@ -203,6 +207,8 @@ class EngineMetrics:
         self.prompt_tokens.observe(r.num_prompt_tokens)
         self.output_tokens.observe(r.num_output_tokens)
         lat["e2e"].observe(t.finished_s - t.arrival_s)
+        if t.received_s:
+            lat["dispatch"].observe(max(t.received_s - t.arrival_s, 0.0))
         if t.scheduled_s:
             lat["queue"].observe(max(t.scheduled_s - t.arrival_s, 0.0))
         if t.first_token_s:
