@@ -38,7 +38,7 @@ LATENCY_HELP = {
     "request_dispatch_time_seconds": (
         "dispatch",
         "Time from arrival to the engine core taking the request (tokenization, admission, "
-        "the frontend-to-core message).",
+        "the frontend-to-core message, the rest of the core's step then running).",
     ),
     "request_queue_time_seconds": ("queue", "Time from arrival to the first scheduling."),
     "request_prefill_time_seconds": (
