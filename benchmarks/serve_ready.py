@@ -6,7 +6,8 @@
 
 Each tree runs as `python -m lantau.cli serve` with PYTHONPATH (and PYTHONSAFEPATH) set to it;
 the default model on CPU is the workload `cpu-smollm2-ready` in benchmarks/RESULTS.md.
---cold evicts the model's weight files from the page cache before each run
+--cold evicts the model's weight files from the page cache before each run, and with
+--cold-packages the interpreter's site-packages too (torch's libraries: a fresh machine)
 (posix_fadvise DONTNEED: no root needed, only the files' own pages).
 """
 
@@ -18,6 +19,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -30,15 +32,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def evict(model: str | None) -> int:
-    """Drop the model's weight files from the page cache; the bytes they hold."""
+def evict(model: str | None, packages: bool = False) -> int:
+    """Drop the model's weight files (and the site-packages) from the page cache; the bytes
+    they hold."""
     from lantau.model.readahead import weight_files
     from lantau.model.source import resolve_model_source
 
     os.sync()  # dirty pages are not dropped
+    paths = weight_files(resolve_model_source(model))
+    if packages:
+        for root in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+            paths += [p for p in Path(root).rglob("*") if p.is_file()]
     total = 0
-    for path in weight_files(resolve_model_source(model)):
-        fd = os.open(path, os.O_RDONLY)
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             total += os.fstat(fd).st_size
@@ -85,6 +95,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--cold", action="store_true", help="evict the weights before each run")
+    parser.add_argument(
+        "--cold-packages", action="store_true", help="with --cold: the site-packages too"
+    )
     args, serve_args = parser.parse_known_args()
     serve_args = [a for a in serve_args if a != "--"]
     here = Path(__file__).resolve().parent.parent
@@ -94,7 +107,7 @@ def main() -> None:
     for run in range(args.runs):
         for name, path in trees.items():
             if args.cold:
-                evict(args.model)
+                evict(args.model, args.cold_packages)
             took, startup = time_to_ready(Path(path).resolve(), args.model, serve_args,
                                           args.timeout_s)  # fmt: skip
             seconds[name].append(took)
