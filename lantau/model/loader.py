@@ -96,19 +96,19 @@ class PendingWeights:
     """An engine folder's weights loading on a thread (load_in_background)."""
 
     def __init__(self, load) -> None:
-        self.seconds = 0.0  # the load's own duration, once done
+        self.seconds = 0.0  # from the load's start here to its end, once done
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._started = time.perf_counter()
         threading.Thread(target=self._run, args=(load,), name="lantau-load", daemon=True).start()
 
     def _run(self, load) -> None:
-        start = time.perf_counter()
         try:
             load()
         except BaseException as e:  # re-raised by wait(), in the engine's own thread
             self._error = e
         finally:
-            self.seconds = time.perf_counter() - start
+            self.seconds = time.perf_counter() - self._started
             self._done.set()
 
     @property
