@@ -40,15 +40,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_until_ready(cmd: list[str], port: int, log_path: Path, env: dict | None = None):
+def launch_until_ready(
+    cmd: list[str], port: int, log_path: Path, env: dict | None = None, timeout_s: float = 0
+):
     """Start a server (output to log_path; `env`: its environment, default ours) and wait for
-    its /health on port: (the process, seconds from spawn to ready). Also gpu_load.py's."""
+    its /health on port (at most timeout_s, 0: no limit): (the process, seconds from spawn to
+    ready). Also gpu_load.py's and serve_ready.py's."""
     with open(log_path, "w") as log:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode}: see {log_path}")
+        if timeout_s and time.perf_counter() - start > timeout_s:
+            proc.kill()
+            raise SystemExit(f"the server was not ready after {timeout_s} s: see {log_path}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
                 if r.status == 200:

@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import sysconfig
-import time
+import tempfile
 from pathlib import Path
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gpu_serve import free_port, launch_until_ready
 
 
 def evict(model: str | None, packages: bool = False) -> int:
@@ -63,21 +56,9 @@ def time_to_ready(tree: Path, model: str | None, serve_args: list[str], timeout_
     cmd = [sys.executable, "-m", "lantau.cli", "serve", *([model] if model else [])]
     cmd += ["--port", str(port), *serve_args]
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = Path(tempfile.gettempdir()) / f"serve_ready-{os.getpid()}.log"
+    proc, seconds = launch_until_ready(cmd, port, log, env, timeout_s)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"{tree}: the server exited:\n{proc.stderr.read().decode()}")
-            if time.perf_counter() - start > timeout_s:
-                raise SystemExit(f"{tree}: not ready after {timeout_s} s")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        seconds = time.perf_counter() - start
         status = httpx.get(f"http://127.0.0.1:{port}/status", timeout=5).json()
         return seconds, status.get("startup_s", {})
     finally:
