@@ -328,10 +328,9 @@ class AsyncLLM:
         self.stats = msg.stats
         for child_id, error in msg.rejected.items():
             self._reject(child_id, error)
-        if msg.received and self.timings:
-            self._note_received(msg.received)
-        if msg.scheduled and self.timings:
-            self._note_scheduled(msg.scheduled)
+        if self.timings:
+            self._note_first(msg.received, "received_s")
+            self._note_first(msg.scheduled, "scheduled_s")
         outputs, stopped = self.processor.process(msg.outputs)
         if stopped:
             await self._send(AbortRequests(stopped, FinishReason.STOP))
@@ -348,19 +347,13 @@ class AsyncLLM:
                     timing.first_token_s = now
                 timing.last_token_s = now
 
-    def _note_received(self, received: dict[str, float]) -> None:
-        """When the core took each request (its first child)."""
-        for child_id, at in received.items():
+    def _note_first(self, times: dict[str, float], field: str) -> None:
+        """The core's times by child id (when it took each request, when it first scheduled
+        it) into each request's timing `field`: its first child's."""
+        for child_id, at in times.items():
             timing = self.timings.get(child_id.rsplit("#", 1)[0])
-            if timing is not None and not timing.received_s:
-                timing.received_s = at
-
-    def _note_scheduled(self, scheduled: dict[str, float]) -> None:
-        """The first scheduling of each request (its first child's)."""
-        for child_id, at in scheduled.items():
-            timing = self.timings.get(child_id.rsplit("#", 1)[0])
-            if timing is not None and not timing.scheduled_s:
-                timing.scheduled_s = at
+            if timing is not None and not getattr(timing, field):
+                setattr(timing, field, at)
 
     def fail_requests(self, reason: str) -> None:
         """End every request in flight with ServerShuttingDownError; their routes abort them."""
