@@ -1,9 +1,10 @@
 """A GGUF file's header read with `struct`: the metadata (each value decoded when asked for)
 and the tensors (memory-mapped numpy views, as gguf.GGUFReader gives them).
 
-gguf.GGUFReader builds a numpy view per metadata element, which for a tokenizer's vocabulary
-and merges (about 100,000 strings in the default model) took ~5 s of every start. Here an
-array of strings is walked by its length prefixes only, and nothing is decoded until asked.
+gguf.GGUFReader builds a numpy view per metadata element, which makes a tokenizer's vocabulary
+and merges (about 100,000 strings in the default model) the slowest part of reading a config.
+Here an array of strings is walked by its length prefixes only, and nothing is decoded until
+asked.
 
 Every read is checked against the file's size, so a truncated or corrupt file raises
 `GGUFFormatError` saying where, never a short array or a walk through a corrupt length.

@@ -346,7 +346,7 @@ def _dequantize_rows(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarra
     return getattr(gguf.quants, qtype.name).dequantize_rows(data.view(np.ndarray))
 
 
-# The legacy 32-value block types, dequantized in torch (multi-threaded, ~10x gguf's numpy):
+# The legacy 32-value block types, dequantized in torch (whole tensors, multi-threaded):
 # type -> (bytes of f16 scales before the values, 4-bit values)
 _TORCH_DEQUANT = {
     GGMLQuantizationType.Q8_0: (2, False),

@@ -38,7 +38,7 @@ _INITS = ("kaiming_uniform_", "uniform_", "normal_")  # what nn.Linear and nn.Em
 def _no_init():
     """nn.Linear and nn.Embedding leave their parameters as allocated: build_model sets every
     one next (load_weights and the engine loader refuse a missing one; init_random_weights
-    draws them all), so their own random init is wasted (1.2 s of the default model on CPU)."""
+    draws them all), so their own random init is wasted work."""
     saved = {name: getattr(torch.nn.init, name) for name in _INITS}
     for name in _INITS:
         setattr(torch.nn.init, name, _keep)
@@ -93,7 +93,10 @@ def build_model(
 
 
 class PendingWeights:
-    """An engine folder's weights loading on a thread (load_in_background)."""
+    """An engine folder's weights loading on a thread (load_in_background).
+
+    NOTE: a daemon thread, not a ThreadPoolExecutor's (those are joined at exit): a core that
+    fails while its weights load exits at once."""
 
     def __init__(self, load) -> None:
         self.seconds = 0.0  # from the load's start here to its end, once done
