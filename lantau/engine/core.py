@@ -19,6 +19,7 @@ import torch
 
 from lantau.config import EngineConfig
 from lantau.engine.args import resolve_device
+from lantau.engine.pacer import StepKey, StepPacer, step_key
 from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
 from lantau.model.loader import ModelSource, build_model, load_in_background
@@ -78,6 +79,9 @@ class EngineCore:
         # the step on the device whose tokens have not been collected yet
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._collected_early: list[EngineCoreOutput] = []  # see add_request
+        # late scheduling (lantau/engine/pacer.py): a served CUDA engine's step device times
+        self.pacer = StepPacer() if self.device.type == "cuda" and self.async_scheduling else None
+        self._timed: tuple[StepKey, StepTimer] | None = None  # the step in flight's events
         if self.device.type == "cuda" and not config.enforce_eager:
             if config.attention_backend != "triton":
                 raise ValueError("CUDA graphs need attention_backend='triton' (or enforce_eager)")
@@ -116,6 +120,9 @@ class EngineCore:
             # it now, or it would land on the new one
             self._collected_early += self._update(*self._in_flight)
             self._in_flight = None
+            if self.pacer is not None:
+                self.pacer.forget()
+                self._timed = None
         self.scheduler.add_request(request)
 
     def abort_requests(
@@ -135,24 +142,65 @@ class EngineCore:
             or bool(self._collected_early)
         )
 
+    def schedule_at(self, arrived: bool = False) -> float | None:
+        """The time.monotonic() at which to call step() next so that it launches just as
+        the step in flight ends (requests arriving until then join it); None: at once.
+        `arrived`: requests came in since the last step (the next one has prompt tokens)."""
+        if self.pacer is None or (self.scheduler.num_waiting and not arrived):
+            return None  # NOTE: with requests waiting for room, arrivals gain nothing
+        return self.pacer.schedule_at(arrived or self.scheduler.has_partial_prompts)
+
     def step(self) -> list[EngineCoreOutput]:
         """Advance by one step; returns the outputs of the step that completed (with
         overlapped scheduling, the one launched by the previous call)."""
+        started = time.monotonic()
         out = self.scheduler.schedule()
         self.last_batch_size = len(out.num_scheduled_tokens)
         self.last_num_batched_tokens = out.total_num_scheduled_tokens
+        timer = StepTimer() if self.pacer is not None else None
         step = self.runner.launch(out)
         if not self.async_scheduling:
             self.runner.sample(step)
             return self._update(out, step)
+        key = step_key(self.last_batch_size, self.last_num_batched_tokens)
+        launched_at = time.monotonic()
         outputs, self._collected_early = self._collected_early, []
+        done_at, waited = launched_at, True  # nothing in flight: this step starts at once
         if self._in_flight is not None:
             outputs += self._update(*self._in_flight)
+            done_at, waited = time.monotonic(), self._in_flight[1].sampled.waited
         self.runner.sample(step)
         self._in_flight = (out, step) if step.sample_ids else None
+        if self.pacer is not None:
+            if self._timed is not None:  # the step just collected
+                self._timed[1].time(self.pacer, self._timed[0])
+            self._timed = None
+            if step.sample_ids:
+                self.pacer.launched(key, launched_at - started)
+                timer.stop()
+                self._timed = (key, timer)
+            self.pacer.collected(done_at, waited, key if self._in_flight else None)
         return outputs
 
     def _update(self, out: SchedulerOutput, step: LaunchedStep) -> list[EngineCoreOutput]:
         result = self.runner.collect(step)
         self.num_generated_tokens += len(result.sampled_token_ids)
         return self.scheduler.update(out, result)
+
+
+class StepTimer:
+    """CUDA events around a step on the current stream: from where the stream reaches the
+    step's launch (the end of the step before it) to the end of its sampling."""
+
+    def __init__(self) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.start.record()
+
+    def stop(self) -> None:
+        self.end.record()
+
+    def time(self, pacer: StepPacer, key: StepKey) -> None:
+        """The step's device time into the pacer (once collected, its events are done)."""
+        if self.end.query():
+            pacer.timed(key, self.start.elapsed_time(self.end) / 1000)

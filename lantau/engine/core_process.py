@@ -154,8 +154,19 @@ def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock) -> None:
     received: dict[str, float] = {}  # requests taken, not reported yet
     last_sent = 0.0
     while os.getppid() == parent:
-        timeout_ms = 0 if core.has_unfinished_requests else int(HEARTBEAT_S * 1000)
         rejected: dict[str, str] = {}
+        # late scheduling: take requests until the step in flight nearly ends (pacer.py)
+        due = core.schedule_at() if core.has_unfinished_requests else None
+        arrived = False
+        while due is not None and (remaining := due - time.monotonic()) > 0:
+            if in_sock.poll(int(remaining * 1000)):
+                _handle(core, decoder.decode(in_sock.recv()), rejected, received)
+                if not arrived:  # the next step has prompt tokens: it takes the host longer
+                    arrived = True
+                    due = core.schedule_at(arrived=True)
+            elif remaining < 1e-3:  # poll's timeout is in whole milliseconds
+                time.sleep(remaining)
+        timeout_ms = 0 if core.has_unfinished_requests else int(HEARTBEAT_S * 1000)
         while in_sock.poll(timeout_ms):
             _handle(core, decoder.decode(in_sock.recv()), rejected, received)
             timeout_ms = 0

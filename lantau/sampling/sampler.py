@@ -248,10 +248,12 @@ class PendingSample:
     host_token_ids: torch.Tensor  # host copy, valid once `event` has completed
     host_logprobs: tuple[torch.Tensor, ...] | None = None
     event: torch.cuda.Event | None = field(default=None, repr=False)
+    waited: bool = False  # resolve() found the copies not done (the host waited for the step)
 
     def resolve(self) -> SamplerOutput:
         """Wait for this sample's copies only (not for work queued after it)."""
         if self.event is not None:
+            self.waited = not self.event.query()
             self.event.synchronize()
         return SamplerOutput(
             token_ids=self.host_token_ids.tolist(),

@@ -60,6 +60,14 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def has_partial_prompts(self) -> bool:
+        """A running request has more than its next token to compute (a prompt not all
+        scheduled yet, or one resumed after preemption): the next step has prompt tokens."""
+        return any(
+            r.num_tokens + r.num_pending_tokens - r.num_computed_tokens > 1 for r in self.running
+        )
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
