@@ -8,20 +8,24 @@ Each tree runs as `python -m lantau.cli serve` with PYTHONPATH (and PYTHONSAFEPA
 the default model on CPU is the workload `cpu-smollm2-ready` in benchmarks/RESULTS.md.
 --cold evicts the model's weight files from the page cache before each run, and with
 --cold-packages the interpreter's site-packages too (torch's libraries: a fresh machine)
-(posix_fadvise DONTNEED: no root needed, only the files' own pages).
+(posix_fadvise DONTNEED: no root needed, only the files' own pages). --drop-caches empties the
+whole page cache before each run instead (root: `/proc/sys/vm/drop_caches`, as gpu_load.py does).
+The trees' servers keep the rest of PYTHONPATH after the tree (the H200's wheels).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import sysconfig
 import tempfile
+import urllib.request
 from pathlib import Path
 
-import httpx
+from gpu_load import drop_page_cache
 from gpu_serve import free_port, launch_until_ready
 
 
@@ -55,11 +59,13 @@ def time_to_ready(tree: Path, model: str | None, serve_args: list[str], timeout_
     port = free_port()
     cmd = [sys.executable, "-m", "lantau.cli", "serve", *([model] if model else [])]
     cmd += ["--port", str(port), *serve_args]
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
+    path = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONSAFEPATH": "1"}
     log = Path(tempfile.gettempdir()) / f"serve_ready-{os.getpid()}.log"
     proc, seconds = launch_until_ready(cmd, port, log, env, timeout_s)
     try:
-        status = httpx.get(f"http://127.0.0.1:{port}/status", timeout=5).json()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
+            status = json.load(r)
         return seconds, status.get("startup_s", {})
     finally:
         proc.terminate()
@@ -79,6 +85,9 @@ def main() -> None:
     parser.add_argument(
         "--cold-packages", action="store_true", help="with --cold: the site-packages too"
     )
+    parser.add_argument(
+        "--drop-caches", action="store_true", help="empty the page cache before each run (root)"
+    )
     args, serve_args = parser.parse_known_args()
     serve_args = [a for a in serve_args if a != "--"]
     here = Path(__file__).resolve().parent.parent
@@ -87,13 +96,16 @@ def main() -> None:
     stages: dict[str, dict] = {}
     for run in range(args.runs):
         for name, path in trees.items():
+            if args.drop_caches and not drop_page_cache():
+                raise SystemExit("--drop-caches: /proc/sys/vm/drop_caches is not writable")
             if args.cold:
                 evict(args.model, args.cold_packages)
             took, startup = time_to_ready(Path(path).resolve(), args.model, serve_args,
                                           args.timeout_s)  # fmt: skip
             seconds[name].append(took)
             stages[name] = startup
-            print(f"run {run + 1} {name}: {took:.2f} s", flush=True)
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in startup.items())
+            print(f"run {run + 1} {name}: {took:.2f} s ({parts})", flush=True)
     print(f"\n{'tree':<10} {'median s':>9} {'min s':>7}  last run's stages (s)")
     for name, values in seconds.items():
         parts = ", ".join(f"{k} {v:.1f}" for k, v in stages[name].items())
