@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, paced: bool = False) -> None:
         config = resolve_device(config, torch.cuda.is_available())
         self.device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)
@@ -79,8 +79,10 @@ class EngineCore:
         # the step on the device whose tokens have not been collected yet
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._collected_early: list[EngineCoreOutput] = []  # see add_request
-        # late scheduling (lantau/engine/pacer.py): a served CUDA engine's step device times
-        self.pacer = StepPacer() if self.device.type == "cuda" and self.async_scheduling else None
+        # late scheduling (lantau/engine/pacer.py) for the served loop (`paced`), which calls
+        # schedule_at(); offline steps launch back to back and are not timed
+        paced = paced and self.device.type == "cuda" and self.async_scheduling
+        self.pacer = StepPacer() if paced else None
         self._timed: tuple[StepKey, StepTimer] | None = None  # the step in flight's events
         if self.device.type == "cuda" and not config.enforce_eager:
             if config.attention_backend != "triton":

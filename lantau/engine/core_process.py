@@ -127,7 +127,7 @@ def run_engine_core(
         from lantau.model.kernel_cache import seed_engine_kernels
 
         seeded = seed_engine_kernels(source, config.device)  # before the first Triton compile
-        core = EngineCore(config, source)
+        core = EngineCore(config, source, paced=True)
     except Exception as e:  # report why, then exit: the frontend fails its start with it
         out_sock.send(encoder.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}")))
         return
