@@ -32,11 +32,17 @@ from gpu_serve import free_port, launch_until_ready
 def evict(model: str | None, packages: bool = False) -> int:
     """Drop the model's weight files (and the site-packages) from the page cache; the bytes
     they hold."""
-    from lantau.model.readahead import weight_files
+    from lantau.model.manifest import read_manifest
     from lantau.model.source import resolve_model_source
 
     os.sync()  # dirty pages are not dropped
-    paths = weight_files(resolve_model_source(model))
+    source = resolve_model_source(model)
+    if source.kind == "engine":
+        paths = [source.path / shard for shard in read_manifest(source.path).shards]
+    elif source.kind == "hf":
+        paths = sorted(source.path.glob("*.safetensors"))
+    else:
+        paths = [source.path] if source.kind == "gguf" else []
     if packages:
         for root in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
             paths += [p for p in Path(root).rglob("*") if p.is_file()]

@@ -36,7 +36,6 @@ from lantau.engine.protocol import (
 )
 from lantau.errors import InvalidRequestError
 from lantau.metrics.stats import CURRENT_REQUEST, EngineMetrics, RequestTiming
-from lantau.model.readahead import ReadAhead
 from lantau.model.source import ModelSource, borrowed_vocab_size
 from lantau.outputs import RequestOutput
 from lantau.request import FinishReason, SamplingParams, validate_prompt
@@ -127,29 +126,18 @@ class AsyncLLM:
             daemon=True,
         )
         start = time.perf_counter()
-        # the weights into the page cache while the core imports torch and sets up its device
-        read_ahead = ReadAhead.for_source(self.source)
         self.process.start()
-        try:
-            if tokenizer is not None:
-                self.set_tokenizer(await tokenizer)
-                self.startup_s["tokenizer"] = time.perf_counter() - start
-            ready = msgspec.msgpack.decode(
-                await asyncio.wait_for(self._out.recv(), timeout_s), type=CoreReady
-            )
-        finally:
-            if read_ahead is not None:
-                read_ahead.stop()
-                logger.info("read ahead %.2f GB of weights in %.1f s%s",
-                            read_ahead.num_bytes / 1e9, read_ahead.seconds,
-                            "" if read_ahead.done else " (stopped at ready)")  # fmt: skip
+        if tokenizer is not None:
+            self.set_tokenizer(await tokenizer)
+            self.startup_s["tokenizer"] = time.perf_counter() - start
+        ready = msgspec.msgpack.decode(
+            await asyncio.wait_for(self._out.recv(), timeout_s), type=CoreReady
+        )
         if ready.error:
             raise RuntimeError(f"engine core failed to start: {ready.error}")
         self.num_blocks = ready.num_blocks
         # the core's whole start (its process, imports, the stages it timed) and its stages
         self.startup_s.update(engine_core=time.perf_counter() - start, **ready.startup_s)
-        if read_ahead is not None:  # beside the core's start, as the tokenizer
-            self.startup_s["read_ahead"] = read_ahead.seconds
         if self.metrics is not None:
             self.metrics.block_size = self.config.cache.block_size
             self.metrics.num_blocks = ready.num_blocks

@@ -256,17 +256,14 @@ def _draining_server_class():
 
 
 def describe_startup(stages: dict[str, float]) -> str:
-    """'48.0 s: config 0.2 s, then tokenizer 22.1 s and read-ahead 5.0 s alongside engine_core
-    47.7 s (weights 0.9 s, ...)': the tokenizer loads and the weights are read into the page
-    cache while the engine core starts."""
+    """'48.0 s: config 0.2 s, then tokenizer 22.1 s alongside engine_core 47.7 s (weights
+    0.9 s, ...)': the tokenizer loads while the engine core starts."""
     stages = dict(stages)
     total, config = stages.pop("total", 0.0), stages.pop("config", 0.0)
     tokenizer, core = stages.pop("tokenizer", 0.0), stages.pop("engine_core", 0.0)
-    read_ahead = stages.pop("read_ahead", None)
-    beside = "" if read_ahead is None else f" and read-ahead {read_ahead:.1f} s"
     inner = ", ".join(f"{name} {s:.1f} s" for name, s in stages.items())
     return (
-        f"{total:.1f} s: config {config:.1f} s, then tokenizer {tokenizer:.1f} s{beside} "
+        f"{total:.1f} s: config {config:.1f} s, then tokenizer {tokenizer:.1f} s "
         f"alongside engine_core {core:.1f} s ({inner})"
     )
 
