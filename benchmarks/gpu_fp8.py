@@ -2,7 +2,11 @@
 llama3-8b, the fp8 GEMV's tilings, and the W2 / W3 / W4 workloads through the offline path.
 
     PYTHONPATH=. python3 benchmarks/gpu_fp8.py [--budget-s 480] [--skip sweep,w4]
-        [--fp8-engine-args '{"kv_cache_dtype": "fp8"}']   (where the fp8 KV cache is merged)
+        [--fp8-engine-args '{"kv_cache_dtype": "fp8"}'] [--w3-seqs 384,768] [--w4-seqs 128,512]
+
+--w3-seqs / --w4-seqs: max_num_seqs of the 8B / 70B fp8 engines; the first runs every workload
+of its section, each further one a fresh engine for the throughput rows only (W3-fp8-128 and
+-1000; W4-128 and W4-1000), labelled with its size (e.g. "W4-128 s512").
 
 Sections, in order (each on its own: an error is printed and the next section runs):
   ceilings  copy bandwidth, bf16 and row-wise fp8 matmul rates (8192^3)
@@ -151,7 +155,7 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
         (
             f"{label} x{w.num_prompts}{trimmed}",
             fig,
-            f"target {TARGETS.get(label, '-')}; gpu {stats['gpu_util_pct']}%, "
+            f"target {TARGETS.get(label.split()[0], '-')}; gpu {stats['gpu_util_pct']}%, "
             f"p95 e2e {stats['e2e_p95_s']} s, at {elapsed():.0f} s",
         )
     )
@@ -188,16 +192,41 @@ def w2_bf16(ref: dict) -> None:
     del llm
 
 
-@section("fp8-8b")
-def fp8_8b(ref: dict, counts: dict[str, int]) -> None:
+def fp8_8b_engine(max_num_seqs: int):
     from lantau import LLM
+
+    return LLM(
+        "random:llama3-8b", dtype="fp8", max_model_len=4096, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=65536, **FP8_ENGINE_ARGS,
+    )  # fmt: skip
+
+
+def more_sizes(make, sizes: list[int], runs) -> None:
+    """A fresh engine for each further max_num_seqs (`make(size)`, the last one freed first)
+    and its throughput rows: `runs` of (workload, label, count, default count), labelled
+    "LABEL sN"."""
+    for size in sizes:
+        gc.collect()
+        torch.cuda.empty_cache()
+        if elapsed() > section.budget_s - 60:
+            TABLE.append((f"max_num_seqs {size}", "skipped", f"budget at {elapsed():.0f} s"))
+            continue
+        try:
+            llm = make(size)
+            for spec, label, num_prompts, default_n in runs:
+                run_workload(llm, spec, num_prompts, f"{label} s{size}", default_n)
+        except Exception as e:
+            traceback.print_exc()
+            TABLE.append((f"max_num_seqs {size}", "FAILED", f"{type(e).__name__}: {str(e)[:70]}"))
+        llm = None
+
+
+@section("fp8-8b")
+def fp8_8b(ref: dict, counts: dict[str, int], seqs: list[int]) -> None:
     from lantau.bench import accuracy
 
     t = time.perf_counter()
-    llm = LLM(
-        "random:llama3-8b", dtype="fp8", max_model_len=4096, max_num_seqs=384,
-        max_num_batched_tokens=65536, **FP8_ENGINE_ARGS,
-    )  # fmt: skip
+    llm = fp8_8b_engine(seqs[0])
     RESULTS["fp8_8b_start_s"] = time.perf_counter() - t
     print(f"engine up in {RESULTS['fp8_8b_start_s']:.1f} s", flush=True)
     if "logits" in ref:
@@ -236,20 +265,27 @@ def fp8_8b(ref: dict, counts: dict[str, int]) -> None:
             traceback.print_exc()
             TABLE.append((label, "FAILED", f"{type(e).__name__}: {str(e)[:70]}"))
     del llm
+    runs = [("W3-128", "W3-fp8-128", counts["W3-128"], 30000),
+            ("W3-1000", "W3-fp8-1000", counts["W3-1000"], 3000)]  # fmt: skip
+    more_sizes(fp8_8b_engine, seqs[1:], runs)
 
 
 @section("w4")
-def w4(counts: dict[str, int]) -> None:
+def w4(counts: dict[str, int], seqs: list[int]) -> None:
     from lantau import LLM
 
+    def make(max_num_seqs: int, max_num_batched_tokens: int = 16384):
+        return LLM(
+            "random:llama3-70b", dtype="fp8", max_model_len=2048, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            scheduling_policy="guaranteed_no_evict", **FP8_ENGINE_ARGS,
+        )  # fmt: skip
+
     t = time.perf_counter()
-    sizes = {"max_num_seqs": 128, "max_num_batched_tokens": 16384}
+    sizes = {"max_num_seqs": seqs[0], "max_num_batched_tokens": 16384}
     llm = None
     try:
-        llm = LLM(
-            "random:llama3-70b", dtype="fp8", max_model_len=2048,
-            scheduling_policy="guaranteed_no_evict", **sizes, **FP8_ENGINE_ARGS,
-        )  # fmt: skip
+        llm = make(**sizes)
     except torch.OutOfMemoryError:
         traceback.print_exc()
     if llm is None:  # once more, smaller steps and fewer graphs (the failed one's frames gone)
@@ -257,10 +293,7 @@ def w4(counts: dict[str, int]) -> None:
         torch.cuda.empty_cache()
         sizes = {"max_num_seqs": 64, "max_num_batched_tokens": 8192}
         print(f"70B engine out of memory: once more with {sizes}", flush=True)
-        llm = LLM(
-            "random:llama3-70b", dtype="fp8", max_model_len=2048,
-            scheduling_policy="guaranteed_no_evict", **sizes, **FP8_ENGINE_ARGS,
-        )  # fmt: skip
+        llm = make(**sizes)
     RESULTS["w4_engine"] = sizes
     start_s = RESULTS["w4_start_s"] = time.perf_counter() - t
     used = torch.cuda.memory_allocated() / 1e9
@@ -268,19 +301,20 @@ def w4(counts: dict[str, int]) -> None:
     print(f"70B fp8 engine up in {start_s:.1f} s, {used:.1f} GB, {blocks} KV blocks", flush=True)
     TABLE.append(("llama3-70b fp8 engine", f"up in {start_s:.0f} s", f"{blocks} KV blocks"))
     run_workload(llm, "in:128/out:512", 1, "W4-bs1", 1)
-    for spec, label, default_n in (("W3-128", "W4-128", 30000), ("W3-1000", "W4-1000", 3000)):
+    # W4-1000: no more than the KV cache holds at once, twice
+    n_1000 = min(counts["W4-1000"], 2 * max(blocks * llm.config.cache.block_size // 2000, 1))
+    runs = [("W3-128", "W4-128", counts["W4-128"], 30000), ("W3-1000", "W4-1000", n_1000, 3000)]
+    for spec, label, n, default_n in runs:
         if elapsed() > section.budget_s - 30:
             TABLE.append((label, "skipped", f"budget at {elapsed():.0f} s"))
             continue
-        n = counts[label]
-        if label == "W4-1000":  # no more than the KV cache holds at once, twice
-            n = min(n, 2 * max(blocks * llm.config.cache.block_size // 2000, 1))
         try:
             run_workload(llm, spec, n, label, default_n)
         except Exception as e:
             traceback.print_exc()
             TABLE.append((label, "FAILED", f"{type(e).__name__}: {str(e)[:70]}"))
     del llm
+    more_sizes(make, seqs[1:], runs)
 
 
 @section("sweep")
@@ -371,7 +405,11 @@ def main() -> None:
         default="{}",
         help='JSON of more LLM() arguments for the fp8 engines, e.g. \'{"kv_cache_dtype": "fp8"}\'',
     )
+    parser.add_argument("--w3-seqs", default="384", help="the 8B fp8 engines' max_num_seqs")
+    parser.add_argument("--w4-seqs", default="128", help="the 70B fp8 engines' max_num_seqs")
     args = parser.parse_args()
+    w3_seqs = [int(v) for v in args.w3_seqs.split(",")]
+    w4_seqs = [int(v) for v in args.w4_seqs.split(",")]
     section.budget_s = args.budget_s
     FP8_ENGINE_ARGS = json.loads(args.fp8_engine_args)
     skip = set(args.skip.split(","))
@@ -383,8 +421,8 @@ def main() -> None:
         ("ceilings", ceilings, ()),
         ("kernels", kernels, ()),
         ("w2-bf16", w2_bf16, (ref,)),
-        ("fp8-8b", fp8_8b, (ref, counts)),
-        ("w4", w4, (counts,)),
+        ("fp8-8b", fp8_8b, (ref, counts, w3_seqs)),
+        ("w4", w4, (counts, w4_seqs)),
         ("sweep", sweep, ()),
     ]:
         if name not in skip:
