@@ -285,3 +285,31 @@ def test_fuzz_malformed_requests(server):
     ok = client.post(f"{server}/v1/completions", json={"prompt": "still alive", "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     wait_idle(server)
+
+
+def test_a_request_whose_first_output_is_its_last_ends_with_its_response():
+    """The route's chain of outputs closes the engine's generator when it ends, also when the
+    first output was already the last (max_tokens 1, or tokens merged into it): its finally
+    (the request's record, its admission counts) runs then, not when it is collected."""
+    from types import SimpleNamespace
+
+    from lantau.server.openai_api import _chain
+
+    ended: list[str] = []
+
+    async def engine_outputs(n: int):
+        try:
+            for i in range(n):
+                yield SimpleNamespace(finished=i == n - 1)
+        finally:
+            ended.append(f"{n} output(s)")
+
+    async def run(n: int) -> list:
+        rest = engine_outputs(n)
+        first = await anext(rest)
+        chained = [o async for o in _chain(first, rest)]
+        assert ended[-1:] == [f"{n} output(s)"]  # before anything else runs
+        return chained
+
+    assert [o.finished for o in asyncio.run(run(1))] == [True]
+    assert [o.finished for o in asyncio.run(run(3))] == [False, False, True]

@@ -363,13 +363,15 @@ class Reply:
 
 
 async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]):
-    yield first
-    if not first.finished:
-        try:
+    """`first`, then the rest; `rest` closed as this ends, also when `first` was the last
+    (its request is then recorded and released at once, not when it is garbage-collected)."""
+    try:
+        yield first
+        if not first.finished:
             async for output in rest:
                 yield output
-        finally:
-            await rest.aclose()
+    finally:
+        await rest.aclose()
 
 
 def _deadline(timeout: float | None, header: str | None) -> float | None:
