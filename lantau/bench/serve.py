@@ -399,6 +399,9 @@ async def run_serve_async(
         progress = Progress(len(requests), f"rate {config.rate:g}", config.show_progress)
         started_at = datetime.datetime.now().isoformat(timespec="seconds")
         with GpuUtilSampler(config.gpu_indices, interval_s=0.25) as gpu:
+            # the figures before any request: one that ended before a first scrape running
+            # beside the requests would fall out of the run's rise
+            await metrics.sample(session, time.perf_counter())
             origin = time.perf_counter()
             sampling = asyncio.create_task(metrics.run(session, origin))
             records = await _run_requests(
