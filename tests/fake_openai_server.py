@@ -102,6 +102,8 @@ class FakeOpenAIServer:
             ("request_prefill_time_seconds", ttfts),
             ("request_queue_time_seconds", [0.0] * len(ttfts)),
             ("request_dispatch_time_seconds", [0.0] * len(ttfts)),
+            ("request_http_in_time_seconds", [0.0] * len(ttfts)),
+            ("request_http_first_chunk_time_seconds", [0.0] * len(ttfts)),
             ("inter_token_latency_seconds", gaps),
         ):
             lines += [f"lantau:{name}_sum{label} {sum(values)!r}",

@@ -328,6 +328,8 @@ def test_time_breakdown_from_the_servers_histograms():
     assert b["server_ttft_ms"] == pytest.approx(1000 * sum(ttfts) / 6)
     assert b["server_prefill_ms"] == b["server_ttft_ms"] and b["server_queue_ms"] == 0
     assert b["server_dispatch_ms"] == 0
+    assert b["server_http_in_ms"] == 0 and b["server_http_first_chunk_ms"] == 0
+    assert b["outside_server_ttft_ms"] == pytest.approx(b["outside_engine_ttft_ms"])
     assert b["server_itl_ms"] == pytest.approx(1000 * sum(gaps) / len(gaps))
     assert b["client_ttft_ms"] == pytest.approx(result.summary.ttft.mean, abs=1e-5)  # JSON
     assert b["outside_engine_ttft_ms"] == pytest.approx(b["client_ttft_ms"] - b["server_ttft_ms"])
@@ -422,6 +424,8 @@ def test_against_lantau_serve(tmp_path):
     )
     assert 0 < b["server_ttft_ms"] <= b["client_ttft_ms"] and b["server_itl_ms"] > 0
     assert 0 < b["server_dispatch_ms"] <= b["server_queue_ms"]
+    assert b["server_http_in_ms"] > 0 and b["server_http_first_chunk_ms"] > 0
+    assert b["outside_server_ttft_ms"] < b["outside_engine_ttft_ms"]
     assert b["engine_steps"] >= 4 and b["step_ms"] > 0 and b["tokens_per_step"] > 0
     for name in ("report.md", "report.html", "latency_cdf.png"):
         assert (tmp_path / name).exists()

@@ -113,6 +113,12 @@ def test_metrics_count_known_traffic_exactly(make_server):
     assert abs(e2e - parts) < 0.05 * e2e + 0.01
     dispatch = m["lantau:request_dispatch_time_seconds_sum" + LABEL]
     assert 0 < dispatch <= m["lantau:request_queue_time_seconds_sum" + LABEL]
+    # the HTTP layer: before the engine for the three that reached it; the first token to its
+    # bytes sent for the one streamed
+    assert m["lantau:request_http_in_time_seconds_count" + LABEL] == 3
+    assert 0 < m["lantau:request_http_in_time_seconds_sum" + LABEL] < e2e
+    assert m["lantau:request_http_first_chunk_time_seconds_count" + LABEL] == 1
+    assert 0 < m["lantau:request_http_first_chunk_time_seconds_sum" + LABEL] < e2e
 
     # the request log: one JSON line per inference request, the refusals too
     lines = [json.loads(x) for x in server.close().splitlines() if x.startswith('{"time"')]

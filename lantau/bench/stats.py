@@ -172,6 +172,8 @@ SERVER_LATENCIES = {
     "prefill": "lantau:request_prefill_time_seconds",  # first scheduling -> first token
     "ttft": "lantau:time_to_first_token_seconds",
     "itl": "lantau:inter_token_latency_seconds",
+    "http_in": "lantau:request_http_in_time_seconds",  # HTTP request start -> arrival
+    "http_first_chunk": "lantau:request_http_first_chunk_time_seconds",  # first token -> sent
 }
 
 
@@ -184,8 +186,9 @@ def series_rise(series: dict[str, dict], name: str) -> float:
 def time_breakdown(summary: ServeSummary, series: dict[str, dict]) -> dict[str, float] | None:
     """Where a request's time went, means in ms: the server's own histograms over the run
     (queue, of which dispatch to the engine core, then prefill: together its TTFT) against the
-    TTFT the client saw; the difference is spent outside the engine (HTTP, the frontend's
-    detokenization and SSE, the client). With
+    TTFT the client saw; the difference is spent outside the engine: in the server's HTTP
+    layer before the engine (http_in) and between the first token and its bytes sent
+    (http_first_chunk, streams), the rest in the network and the client. With
     the engine's steps (count, mean wall time, tokens sampled a step). None when the server
     exports none of lantau's histograms."""
 
@@ -196,6 +199,7 @@ def time_breakdown(summary: ServeSummary, series: dict[str, dict]) -> dict[str, 
     server = {key: mean_ms(name) for key, name in SERVER_LATENCIES.items()}
     if all(math.isnan(v) for v in server.values()):
         return None
+    server_total = server["ttft"] + server["http_in"] + server["http_first_chunk"]
     steps = series_rise(series, "lantau:engine_steps_total")
     step_s = series_rise(series, "lantau:engine_step_time_seconds_total")
     tokens = series_rise(series, "lantau:engine_generated_tokens_total")
@@ -206,6 +210,9 @@ def time_breakdown(summary: ServeSummary, series: dict[str, dict]) -> dict[str, 
         "server_prefill_ms": server["prefill"],
         "server_ttft_ms": server["ttft"],
         "outside_engine_ttft_ms": summary.ttft.mean - server["ttft"],
+        "server_http_in_ms": server["http_in"],
+        "server_http_first_chunk_ms": server["http_first_chunk"],
+        "outside_server_ttft_ms": summary.ttft.mean - server_total,
         "client_itl_ms": summary.itl.mean,
         "server_itl_ms": server["itl"],
         "engine_steps": steps,

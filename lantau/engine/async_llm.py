@@ -261,7 +261,10 @@ class AsyncLLM:
         self.num_pending_tokens += num_tokens
         self.num_pending_seqs += params.n
         if self.metrics is not None:
-            self.timings[request_id] = RequestTiming(arrival_s, len(ids))
+            timing = self.timings[request_id] = RequestTiming(arrival_s, len(ids))
+            if context is not None and context.timing is None:  # its API request's first
+                context.timing = timing
+                self.metrics.record_http_in(context, timing)
         finished, last = False, None
         try:
             await self._send(AddRequests([NewRequest.of(c) for c in children]))

@@ -46,6 +46,16 @@ LATENCY_HELP = {
         "Time from the first scheduling to the first output token.",
     ),
     "request_decode_time_seconds": ("decode", "Time from the first to the last output token."),
+    "request_http_in_time_seconds": (
+        "http_in",
+        "Time from an HTTP request's start to its arrival at the engine (body read, parsing, "
+        "validation).",
+    ),
+    "request_http_first_chunk_time_seconds": (
+        "http_first_chunk",
+        "Time from a streamed HTTP request's first output token reaching the frontend to its "
+        "first response bytes sent (detokenization, the response's start, SSE encoding).",
+    ),
 }
 
 

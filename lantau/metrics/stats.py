@@ -39,6 +39,8 @@ LATENCY_HISTOGRAMS = {
     "queue": "e2e",
     "prefill": "ttft",
     "decode": "e2e",
+    "http_in": "itl",
+    "http_first_chunk": "itl",
 }
 
 
@@ -131,6 +133,8 @@ class RequestContext:
     # the figures of the engine that took the request, where one did (its answer counts
     # there); None: refused before one did (auth, drain, no such model): the server's
     metrics: EngineMetrics | None = None
+    started_s: float = 0.0  # time.monotonic() of the HTTP request's start (0: not HTTP)
+    timing: RequestTiming | None = None  # its (first) engine request's, once one arrived
 
 
 # the API request being served in this task (set by the HTTP middleware and the gRPC service)
@@ -221,6 +225,17 @@ class EngineMetrics:
 
     def record_status(self, protocol: str, code: str) -> None:
         self.status[(protocol, code)] += 1
+
+    def record_http_in(self, context: RequestContext, timing: RequestTiming) -> None:
+        """An HTTP request's time from its start to its engine request's arrival."""
+        if context.started_s:
+            self.latency["http_in"].observe(max(timing.arrival_s - context.started_s, 0.0))
+
+    def record_first_chunk(self, timing: RequestTiming, sent_s: float) -> None:
+        """A streamed answer's first bytes sent at `sent_s`: from its first token at the
+        frontend (none yet: an error event, not counted)."""
+        if timing.first_token_s:
+            self.latency["http_first_chunk"].observe(max(sent_s - timing.first_token_s, 0.0))
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,13 @@ def record_status(
         metrics.record_status(protocol, status)
 
 
+def _is_event_stream(headers) -> bool:
+    return any(
+        name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+        for name, value in headers
+    )
+
+
 class RequestIdMiddleware:
     """Plain ASGI, outermost: every HTTP request gets an id (returned as `x-request-id`); an
     inference request (a POST) also counts by status and is logged."""
@@ -104,17 +111,23 @@ class RequestIdMiddleware:
         for name, value in scope["headers"]:
             if name == b"x-request-id":
                 given = value.decode("latin-1")
-        context = RequestContext(request_id_from(given))
+        start_s = time.monotonic()
+        context = RequestContext(request_id_from(given), started_s=start_s)
         header = (b"x-request-id", context.request_id.encode())
         status = ["500"]  # unless a response starts
+        first_chunk = [False]  # a streamed answer's first bytes are still to be sent
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", ()), header]
                 status[0] = str(message["status"])
+                first_chunk[0] = _is_event_stream(message["headers"])
             await send(message)
+            if first_chunk[0] and message["type"] == "http.response.body" and message.get("body"):
+                first_chunk[0] = False
+                if context.metrics is not None and context.timing is not None:
+                    context.metrics.record_first_chunk(context.timing, time.monotonic())
 
-        start_s = time.monotonic()
         token = CURRENT_REQUEST.set(context)
         try:
             await self.app(scope, receive, send_with_id)
