@@ -6,6 +6,8 @@ shape; they are generated directly on the target device in the target dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 from lantau.config import ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
 
@@ -58,13 +60,7 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
         num_key_value_heads=8,
         head_dim=64,
         rope_theta=500000.0,
-        rope_scaling=RopeScaling(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
+        rope_scaling=dataclasses.replace(_LLAMA3_ROPE, factor=32.0),
         max_position_embeddings=131072,
         tie_word_embeddings=True,
         bos_token_id=128000,

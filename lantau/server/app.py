@@ -263,8 +263,8 @@ def describe_startup(stages: dict[str, float]) -> str:
     tokenizer, core = stages.pop("tokenizer", 0.0), stages.pop("engine_core", 0.0)
     inner = ", ".join(f"{name} {s:.1f} s" for name, s in stages.items())
     return (
-        f"{total:.1f} s: config {config:.1f} s, then tokenizer {tokenizer:.1f} s "
-        f"alongside engine_core {core:.1f} s ({inner})"
+        f"{total:.1f} s: config {config:.1f} s, then tokenizer {tokenizer:.1f} s alongside "
+        f"engine_core {core:.1f} s ({inner})"
     )
 
 
