@@ -305,6 +305,29 @@ def rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def route(args: argparse.Namespace) -> int:
+    """The gateway: lantau/gateway/proxy.py in front of the --backend replicas."""
+    from lantau.gateway.policy import POLICIES
+    from lantau.gateway.proxy import GatewayConfig, run
+
+    config = GatewayConfig(
+        backends=tuple(args.backend), host=args.host, port=args.port, policy=args.policy,
+        health_interval_s=args.health_interval, max_attempts=args.max_attempts,
+        connect_timeout_s=args.connect_timeout, drain_timeout_s=args.drain_timeout,
+        max_body_bytes=args.max_body_bytes, session_header=args.session_header,
+        admin_key=args.admin_key,
+    )  # fmt: skip
+    if config.policy not in POLICIES:
+        print(f"lantau route: unknown --policy {config.policy}", file=sys.stderr)
+        return 2
+    try:
+        run(config)
+    except ValueError as e:
+        print(f"lantau route: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def bench(args: argparse.Namespace) -> int:
     import json
 
@@ -457,6 +480,27 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds")
     p.set_defaults(func=rollback)
+
+    p = sub.add_parser("route", help="a gateway over several servers: routing, retries, failover")
+    p.add_argument("--backend", action="append", required=True, metavar="URL",
+                   help="a replica's base URL (repeat for each)")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--policy", default="least-loaded",
+                   help="least-loaded (default), round-robin, or session (a session's requests "
+                        "on one replica, for its prefix cache; bounded load)")  # fmt: skip
+    p.add_argument("--session-header", default="x-session-id",
+                   help="the session policy's key (else an OpenAI body's `user`)")  # fmt: skip
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds")
+    p.add_argument("--max-attempts", type=int, default=3, help="replicas tried for a request")
+    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds the requests in flight get after SIGTERM")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--admin-key", default=None,
+                   help="the key for adding and removing backends (POST / DELETE "
+                        "/gateway/backends); without one they are refused")  # fmt: skip
+    p.set_defaults(func=route)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)
     p = b.add_parser("offline", help="the in-process engine on a standard workload")

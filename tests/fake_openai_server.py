@@ -42,6 +42,7 @@ class FakeOpenAIServer:
         # each stream as sent: prompt -> (its arrival, perf_counter after each text chunk)
         self.streams: dict[tuple, tuple[float, list[float]]] = {}
         self.num_metrics_scrapes = 0
+        self.health_status = 200  # what GET /health answers (a gateway's checks read it)
 
     def __enter__(self) -> FakeOpenAIServer:
         ready = threading.Event()
@@ -64,6 +65,7 @@ class FakeOpenAIServer:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
         if self.with_metrics:
             app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app)
@@ -76,6 +78,9 @@ class FakeOpenAIServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.num_metrics_scrapes += 1

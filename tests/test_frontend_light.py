@@ -25,6 +25,7 @@ print("ok")
         "import lantau.bench.echo_engine",
         "import lantau.bench.serve, lantau.bench.report, lantau.bench.monitor",
         "import lantau.server.kserve_grpc, lantau.server.kserve_http, lantau.cli",
+        "import lantau.gateway.proxy, lantau.gateway.metrics",
         "from lantau.engine.args import build_engine_config\n"
         "config, _ = build_engine_config('random:tiny', max_model_len=256)\n"
         "assert config.device == 'auto' and config.dtype == 'auto'",

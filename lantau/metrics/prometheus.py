@@ -24,7 +24,9 @@ from lantau.engine.protocol import StepStats
 from lantau.metrics.gpu import GpuReader
 from lantau.metrics.stats import EngineFigures
 
-__all__ = ["CONTENT_TYPE_LATEST", "MetricsExporter", "counter_family", "gauge_family"]
+__all__ = [
+    "CONTENT_TYPE_LATEST", "MetricsExporter", "counter_family", "gauge_family", "render_collectors"
+]  # fmt: skip
 
 # histogram name -> (EngineMetrics.latency key, help)
 LATENCY_HELP = {
@@ -269,3 +271,11 @@ class MetricsExporter:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def render_collectors(collectors: list | tuple) -> bytes:
+    """The text exposition of objects with collect() yielding families (the gateway's)."""
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in collectors:
+        registry.register(collector)
+    return generate_latest(registry)

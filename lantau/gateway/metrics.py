@@ -1,0 +1,75 @@
+"""The gateway's /metrics: its backends' plain counters (gateway/policy.py's `Backend`) read at
+scrape time, under `lantau:gateway_` names (docs/gateway.md lists them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from lantau.metrics.prometheus import (
+    CONTENT_TYPE_LATEST,
+    counter_family,
+    gauge_family,
+    histogram_family,
+    render_collectors,
+)
+
+if TYPE_CHECKING:
+    from lantau.gateway.proxy import Gateway
+
+
+class GatewayCollector:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def collect(self) -> Iterator:
+        backends = self.gateway.backends
+        b = ["backend"]
+        yield gauge_family(
+            "lantau:gateway_backend_up", "1 while the backend passes its health checks.",
+            b, [((x.url,), int(x.is_healthy)) for x in backends],
+        )  # fmt: skip
+        yield gauge_family(
+            "lantau:gateway_backend_draining", "1 while the backend takes no new requests.",
+            b, [((x.url,), int(x.is_draining)) for x in backends],
+        )  # fmt: skip
+        yield gauge_family(
+            "lantau:gateway_backend_requests_in_flight",
+            "Requests the gateway has open on the backend.",
+            b, [((x.url,), x.num_in_flight) for x in backends],
+        )  # fmt: skip
+        yield counter_family(
+            "lantau:gateway_backend_responses", "Responses from the backend, by HTTP status.",
+            ["backend", "code"],
+            [((x.url, code), n) for x in backends for code, n in sorted(x.num_responses.items())],
+        )  # fmt: skip
+        yield counter_family(
+            "lantau:gateway_retries",
+            "Requests that left the backend for another one, by why (connect, disconnect, "
+            "timeout, http_429, http_503).",
+            ["backend", "reason"],
+            [((x.url, r), n) for x in backends for r, n in sorted(x.num_retries.items())],
+        )  # fmt: skip
+        yield counter_family(
+            "lantau:gateway_backend_transitions",
+            "Health changes of the backend, by the state it went to (up, down).",
+            ["backend", "to"],
+            [((x.url, t), n) for x in backends for t, n in sorted(x.num_transitions.items())],
+        )  # fmt: skip
+        yield counter_family(
+            "lantau:gateway_failed_requests",
+            "Requests the gateway answered with its own error, by why (no_backend, "
+            "all_attempts_failed, stream_cut, draining, or http_429 / http_503 when every "
+            "backend tried refused).",
+            ["reason"], sorted(((r,), n) for r, n in self.gateway.num_failed.items()),
+        )  # fmt: skip
+        yield histogram_family(
+            "lantau:gateway_request_duration_seconds",
+            "Time from a request's arrival at the gateway to its answer's end, by the backend "
+            "that answered.",
+            b, [((x.url,), x.duration) for x in backends],
+        )  # fmt: skip
+
+
+def render_gateway_metrics(gateway: Gateway) -> tuple[bytes, str]:
+    return render_collectors([GatewayCollector(gateway)]), CONTENT_TYPE_LATEST

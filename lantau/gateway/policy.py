@@ -1,0 +1,128 @@
+"""Which replica a request goes to: the gateway's backends as plain state and the routing
+policies over them (plain Python: no I/O, no clock, so each is tested exactly)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lantau.metrics.stats import LATENCY_BUCKETS, Histogram
+
+
+@dataclass(eq=False)
+class Backend:
+    """One replica (a `lantau serve`, or any OpenAI-compatible server) as the gateway sees it."""
+
+    url: str  # base URL without a trailing slash, e.g. http://10.0.0.5:8000
+    is_healthy: bool = False  # its last health check, or the last call through it, succeeded
+    is_draining: bool = False  # takes no new requests (being removed, or its operator said so)
+    num_in_flight: int = 0  # requests this gateway has open on it now
+    # what it answered (HTTP status as text) and why requests left it for another replica
+    num_responses: dict[str, int] = field(default_factory=dict)
+    num_retries: dict[str, int] = field(default_factory=dict)
+    num_transitions: dict[str, int] = field(default_factory=dict)  # to "up" / "down"
+    # a request's time through the gateway to its response's end, answered by this backend
+    duration: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS["e2e"]))
+    last_error: str = ""  # why it was last marked down
+
+    @property
+    def is_available(self) -> bool:
+        return self.is_healthy and not self.is_draining
+
+    def set_healthy(self, is_healthy: bool, error: str = "") -> bool:
+        """Records a health reading; True when it changed the backend's state."""
+        if not is_healthy:
+            self.last_error = error
+        if is_healthy == self.is_healthy:
+            return False
+        self.is_healthy = is_healthy
+        to = "up" if is_healthy else "down"
+        self.num_transitions[to] = self.num_transitions.get(to, 0) + 1
+        return True
+
+    def count_response(self, status: int) -> None:
+        key = str(status)
+        self.num_responses[key] = self.num_responses.get(key, 0) + 1
+
+    def count_retry(self, reason: str) -> None:
+        self.num_retries[reason] = self.num_retries.get(reason, 0) + 1
+
+
+class RoundRobin:
+    """Each available backend in turn."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Backend], key: str | None) -> Backend:
+        self._turn += 1
+        return candidates[self._turn % len(candidates)]
+
+
+class LeastLoaded:
+    """The backend with the fewest requests in flight from this gateway; ties taken in turn,
+    so an idle pool is spread evenly rather than always starting at the first backend."""
+
+    name = "least-loaded"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Backend], key: str | None) -> Backend:
+        self._turn += 1
+        n = len(candidates)
+        rotated = [candidates[(self._turn + i) % n] for i in range(n)]
+        return min(rotated, key=lambda b: b.num_in_flight)
+
+
+class SessionAffinity:
+    """A session's requests on one backend, so its growing conversation finds its prefix in
+    that replica's KV cache: rendezvous hashing of the session key over the backends (adding or
+    losing one moves only the sessions that were, or will be, on it), with bounded load (a
+    backend takes a session only while it has fewer than `load_factor` x the mean requests in
+    flight, else the session's next choice does). Requests without a key go to the least
+    loaded."""
+
+    name = "session"
+
+    def __init__(self, load_factor: float = 1.25) -> None:
+        if load_factor < 1:
+            raise ValueError(f"load_factor must be at least 1, got {load_factor}")
+        self.load_factor = load_factor
+        self._least_loaded = LeastLoaded()
+
+    def choose(self, candidates: Sequence[Backend], key: str | None) -> Backend:
+        if key is None:
+            return self._least_loaded.choose(candidates, key)
+        total = sum(b.num_in_flight for b in candidates) + 1  # this request included
+        cap = math.ceil(self.load_factor * total / len(candidates))
+        ranked = sorted(candidates, key=lambda b: _rendezvous_score(key, b.url), reverse=True)
+        # NOTE: some backend is always under the cap: they cannot all hold more than the mean
+        return next(b for b in ranked if b.num_in_flight < cap)
+
+
+def _rendezvous_score(key: str, url: str) -> int:
+    """A stable hash of (key, backend): the same in every process, unlike hash()."""
+    digest = hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, SessionAffinity)}
+
+
+def make_policy(name: str):
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")
+    return POLICIES[name]()
+
+
+def choose_backend(
+    policy, backends: Sequence[Backend], key: str | None, tried: set[str]
+) -> Backend | None:
+    """The policy's pick among the available backends this request has not tried yet."""
+    candidates = [b for b in backends if b.is_available and b.url not in tried]
+    return policy.choose(candidates, key) if candidates else None

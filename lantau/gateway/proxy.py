@@ -1,0 +1,381 @@
+"""`lantau route`: an async HTTP proxy in front of several replicas (`lantau serve`, or any
+OpenAI / KServe-v2 HTTP server): health checks, a routing policy (gateway/policy.py), retries
+on another replica, failover, drain, and its own /metrics.
+
+What is retried, on a replica the request has not tried (up to `max_attempts` in all):
+- the connection failed or broke before the answer was complete (a buffered answer is read
+  whole before it is sent on, so a replica dying mid-generation costs the client nothing but
+  time), or the backend took longer than `connect_timeout_s` to accept;
+- HTTP 503 (the replica is starting, draining or unloading) and 429 (its admission is full);
+- a stream that broke before its first event.
+A stream that breaks after events were sent on ends with an in-band error event (the OpenAI
+client raises it) and `[DONE]`: tokens already delivered cannot be taken back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from lantau.gateway.policy import Backend, choose_backend, make_policy
+
+logger = logging.getLogger("lantau.gateway")
+
+# hop-by-hop headers (RFC 9110 7.6.1) and those the proxy sets itself
+_NOT_FORWARDED = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+     "transfer-encoding", "upgrade", "host", "content-length"}
+)  # fmt: skip
+_RETRIED_STATUSES = (429, 503)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    backends: tuple[str, ...]  # base URLs of the replicas
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policy: str = "least-loaded"  # gateway/policy.py's POLICIES
+    health_interval_s: float = 1.0  # between rounds of GET /health on every backend
+    health_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0  # a replica slower than this to accept is tried no more
+    max_attempts: int = 3  # replicas tried for one request
+    max_body_bytes: int = 4 << 20  # as `lantau serve`'s cap (the raw bytes: gzip passes as is)
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to end
+    session_header: str = "x-session-id"  # the session policy's key (else the body's "user")
+    admin_key: str | None = None  # /gateway/backends changes need it; without one they are off
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An attempt that did not answer: why, and the replica's own answer where it gave one
+    (passed on when no replica answers better)."""
+
+    reason: str  # connect, disconnect, timeout, http_429, http_503
+    status: int = 502
+    body: bytes = b""
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.backends = [Backend(normalize_url(u)) for u in config.backends]
+        self.policy = make_policy(config.policy)
+        self.num_failed: dict[str, int] = {}  # requests the gateway answered with an error, by why
+        self.is_draining = False
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, app: web.Application) -> None:
+        # NOTE: no decompression: bodies pass through byte for byte with their Content-Encoding
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
+        )
+        await self.check_all()  # routes from the first request on
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def drain(self, app: web.Application) -> None:
+        """on_shutdown: new requests get 503 while aiohttp lets the running ones finish."""
+        self.is_draining = True
+        logger.info("draining %d requests", sum(b.num_in_flight for b in self.backends))
+
+    async def stop(self, app: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    # --- health ------------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(b) for b in list(self.backends)))
+
+    async def check(self, backend: Backend) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        try:
+            async with self._session.get(backend.url + "/health", timeout=timeout) as resp:
+                await resp.read()
+                self.mark(backend, resp.status == 200, f"health check: HTTP {resp.status}")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self.mark(backend, False, f"health check: {_describe(e)}")
+
+    def mark(self, backend: Backend, is_healthy: bool, error: str = "") -> None:
+        if backend.set_healthy(is_healthy, error):
+            if is_healthy:
+                logger.info("backend %s is up", backend.url)
+            else:
+                logger.warning("backend %s is down: %s", backend.url, error)
+
+    # --- proxying ----------------------------------------------------------------------------
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        if self.is_draining:
+            return self.fail("draining", 503, "the gateway is shutting down")
+        body = await request.read()
+        headers = forward_headers(request)
+        key = self.session_key(request, body)
+        tried: set[str] = set()
+        refused: Refused | None = None
+        start = time.perf_counter()
+        for _ in range(self.config.max_attempts):
+            backend = choose_backend(self.policy, self.backends, key, tried)
+            if backend is None:
+                break
+            tried.add(backend.url)
+            backend.num_in_flight += 1
+            try:
+                answer = await self._attempt(request, backend, body, headers)
+            finally:
+                backend.num_in_flight -= 1
+            if not isinstance(answer, Refused):
+                backend.duration.observe(time.perf_counter() - start)
+                return answer
+            backend.count_retry(answer.reason)
+            if refused is None or answer.status in _RETRIED_STATUSES:
+                refused = answer  # a replica's own 429 / 503 says more than a broken connection
+        if refused is None:
+            return self.fail("no_backend", 503, "no healthy backend to route the request to")
+        if refused.status in _RETRIED_STATUSES:  # every replica tried was busy or not ready
+            self.num_failed[refused.reason] = self.num_failed.get(refused.reason, 0) + 1
+            return web.Response(status=refused.status, body=refused.body, headers=refused.headers)
+        message = f"no backend answered ({len(tried)} tried; the last: {refused.reason})"
+        return self.fail("all_attempts_failed", 502, message)
+
+    async def _attempt(
+        self, request: web.Request, backend: Backend, body: bytes, headers: dict[str, str]
+    ) -> web.StreamResponse | Refused:
+        url = backend.url + request.rel_url.raw_path_qs
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
+        try:
+            async with self._session.request(
+                request.method, url, data=body, headers=headers, timeout=timeout
+            ) as resp:
+                backend.count_response(resp.status)
+                if resp.status in _RETRIED_STATUSES:
+                    if resp.status == 503:  # starting, draining or unloading: not for new work
+                        self.mark(backend, False, "HTTP 503")
+                    return Refused(f"http_{resp.status}", resp.status, await resp.read(),
+                                   response_headers(resp))  # fmt: skip
+                if resp.content_type == "text/event-stream":
+                    return await self._relay_stream(request, backend, resp)
+                payload = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return self._broken(backend, e)
+        return web.Response(status=resp.status, body=payload, headers=response_headers(resp))
+
+    def _broken(self, backend: Backend, e: BaseException) -> Refused:
+        if isinstance(e, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+            reason = "connect"
+        else:
+            reason = "timeout" if isinstance(e, TimeoutError) else "disconnect"
+        self.mark(backend, False, _describe(e))
+        return Refused(reason)
+
+    async def _relay_stream(
+        self, request: web.Request, backend: Backend, resp: aiohttp.ClientResponse
+    ) -> web.StreamResponse | Refused:
+        """Events sent on as they come; the response starts only with the first one, so a
+        replica that fails before it is retried like any other."""
+        try:
+            first = await resp.content.readany()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return self._broken(backend, e)
+        if not first:
+            return self._broken(backend, aiohttp.ServerDisconnectedError())
+        out = web.StreamResponse(status=resp.status, headers=response_headers(resp))
+        await out.prepare(request)
+        await out.write(first)
+        tail = first
+        while True:
+            try:
+                chunk = await resp.content.readany()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                self._broken(backend, e)
+                await self._end_cut_stream(out, tail, backend)
+                return out
+            if not chunk:
+                return out
+            await out.write(chunk)  # NOTE: a client gone raises here: the replica's side closes
+            tail = chunk
+
+    async def _end_cut_stream(self, out: web.StreamResponse, tail: bytes, backend: Backend):
+        self.num_failed["stream_cut"] = self.num_failed.get("stream_cut", 0) + 1
+        message = f"the replica serving this stream failed ({backend.last_error})"
+        error = {"error": {"message": message, "type": "server_error", "code": 502}}
+        # NOTE: an event cut in the middle is ended first, so the error is an event of its own
+        end = b"" if tail.endswith(b"\n\n") else b"\n\n"
+        await out.write(end + b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n")
+
+    def session_key(self, request: web.Request, body: bytes) -> str | None:
+        """The session policy's key: the session header, else an OpenAI body's `user`."""
+        if self.policy.name != "session":
+            return None
+        key = request.headers.get(self.config.session_header)
+        if key or request.headers.get("content-encoding") or not body.startswith(b"{"):
+            return key or None
+        try:
+            user = orjson.loads(body).get("user")
+        except orjson.JSONDecodeError:
+            return None
+        return user if isinstance(user, str) and user else None
+
+    def fail(self, reason: str, status: int, message: str) -> web.Response:
+        self.num_failed[reason] = self.num_failed.get(reason, 0) + 1
+        return error_response(status, message)
+
+    # --- the gateway's own routes ------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        is_ready = not self.is_draining and any(b.is_available for b in self.backends)
+        return web.Response(status=200 if is_ready else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        from lantau.gateway.metrics import render_gateway_metrics
+
+        text, content_type = render_gateway_metrics(self)
+        return web.Response(body=text, headers={"Content-Type": content_type})
+
+    async def list_backends(self, request: web.Request) -> web.Response:
+        return json_response({"policy": self.policy.name, "backends": [
+            {"url": b.url, "healthy": b.is_healthy, "draining": b.is_draining,
+             "in_flight": b.num_in_flight, "responses": b.num_responses,
+             "retries": b.num_retries, "last_error": b.last_error}
+            for b in self.backends
+        ]})  # fmt: skip
+
+    async def add_backend(self, request: web.Request) -> web.Response:
+        if (denied := self._check_admin(request)) is not None:
+            return denied
+        url = await self._url_of(request)
+        if isinstance(url, web.Response):
+            return url
+        if any(b.url == url for b in self.backends):
+            return error_response(409, f"backend {url} is already routed to")
+        backend = Backend(url)
+        self.backends.append(backend)
+        await self.check(backend)
+        logger.info("backend %s added (%s)", url, "up" if backend.is_healthy else "down")
+        return json_response({"url": url, "healthy": backend.is_healthy}, status=201)
+
+    async def remove_backend(self, request: web.Request) -> web.Response:
+        """Drains a backend (no new requests; its in-flight ones end), then forgets it: once
+        this answers, the replica can be stopped without dropping anything."""
+        if (denied := self._check_admin(request)) is not None:
+            return denied
+        url = await self._url_of(request)
+        if isinstance(url, web.Response):
+            return url
+        backend = next((b for b in self.backends if b.url == url), None)
+        if backend is None:
+            return error_response(404, f"backend {url} is not routed to")
+        backend.is_draining = True
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while backend.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.backends.remove(backend)
+        logger.info("backend %s removed (%d requests still open)", url, backend.num_in_flight)
+        return json_response({"url": url, "in_flight": backend.num_in_flight})
+
+    def _check_admin(self, request: web.Request) -> web.Response | None:
+        import hmac
+
+        if self.config.admin_key is None:
+            return error_response(403, "changing backends needs `lantau route --admin-key`")
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self.config.admin_key.encode()):
+            return error_response(401, "a wrong or missing admin key (Authorization: Bearer)")
+        return None
+
+    async def _url_of(self, request: web.Request) -> str | web.Response:
+        try:
+            url = orjson.loads(await request.read()).get("url")
+            return normalize_url(url)
+        except (orjson.JSONDecodeError, AttributeError, ValueError) as e:
+            return error_response(400, f'expected a JSON body {{"url": "http://HOST:PORT"}}: {e}')
+
+
+def normalize_url(url) -> str:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"a backend is an http:// or https:// URL, got {url!r}")
+    return url.rstrip("/")
+
+
+def forward_headers(request: web.Request) -> dict[str, str]:
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+    # NOTE: one id for every attempt, so the replicas' logs and the client's agree
+    headers.setdefault("x-request-id", request.headers.get("x-request-id") or uuid.uuid4().hex)
+    peer = request.remote or ""
+    prior = request.headers.get("x-forwarded-for")
+    headers["x-forwarded-for"] = f"{prior}, {peer}" if prior else peer
+    return headers
+
+
+def response_headers(resp: aiohttp.ClientResponse) -> tuple[tuple[str, str], ...]:
+    return tuple((k, v) for k, v in resp.headers.items() if k.lower() not in _NOT_FORWARDED)
+
+
+def error_response(status: int, message: str) -> web.Response:
+    """An OpenAI-shaped error, as `lantau serve` answers."""
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": status}}
+    return json_response(body, status=status)
+
+
+def json_response(body: dict, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def build_app(config: GatewayConfig) -> web.Application:
+    gateway = Gateway(config)
+    app = web.Application(client_max_size=config.max_body_bytes)
+    app[GATEWAY] = gateway
+    app.on_startup.append(gateway.start)
+    app.on_shutdown.append(gateway.drain)
+    app.on_cleanup.append(gateway.stop)
+    app.router.add_get("/health", gateway.health)
+    app.router.add_get("/metrics", gateway.metrics)
+    app.router.add_get("/gateway/backends", gateway.list_backends)
+    app.router.add_post("/gateway/backends", gateway.add_backend)
+    app.router.add_delete("/gateway/backends", gateway.remove_backend)
+    app.router.add_route("*", "/{path:.*}", gateway.proxy)
+    return app
+
+
+def run(config: GatewayConfig) -> None:
+    """Serves until SIGTERM / SIGINT, then drains: the listener closes, requests in flight get
+    up to drain_timeout_s to end."""
+    if not config.backends:
+        raise ValueError("lantau route needs at least one --backend URL")
+    for url in config.backends:
+        normalize_url(url)
+    make_policy(config.policy)  # an unknown name fails here, before the port opens
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logger.info(
+        "routing to %s (%s) on http://%s:%d",
+        ", ".join(config.backends), config.policy, config.host, config.port,
+    )  # fmt: skip
+    web.run_app(
+        build_app(config), host=config.host, port=config.port, print=None,
+        shutdown_timeout=config.drain_timeout_s, handler_cancellation=True,
+        auto_decompress=False,
+    )  # fmt: skip
