@@ -311,7 +311,8 @@ def route(args: argparse.Namespace) -> int:
     from lantau.gateway.proxy import GatewayConfig, run
 
     config = GatewayConfig(
-        backends=tuple(args.backend), host=args.host, port=args.port, policy=args.policy,
+        backends=tuple(args.backend), grpc_backends=tuple(args.grpc_backend),
+        grpc_port=args.grpc_port, host=args.host, port=args.port, policy=args.policy,
         health_interval_s=args.health_interval, max_attempts=args.max_attempts,
         connect_timeout_s=args.connect_timeout, drain_timeout_s=args.drain_timeout,
         max_body_bytes=args.max_body_bytes, session_header=args.session_header,
@@ -482,8 +483,21 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=rollback)
 
     p = sub.add_parser("route", help="a gateway over several servers: routing, retries, failover")
-    p.add_argument("--backend", action="append", required=True, metavar="URL",
-                   help="a replica's base URL (repeat for each)")  # fmt: skip
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
+                   help="a replica's HTTP base URL (repeat for each)")  # fmt: skip
+    p.add_argument(
+        "--grpc-backend",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a replica's KServe v2 gRPC port (repeat for each; needs --grpc-port)",
+    )
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="the gateway's gRPC port, relaying to the --grpc-backend replicas",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--policy", default="least-loaded",

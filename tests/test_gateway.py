@@ -313,14 +313,19 @@ AUTH_K = {"authorization": "Bearer k"}
 # --- real processes -------------------------------------------------------------------------
 
 
+SERVED = "lantau/tiny"  # tests/test_kserve.py's helpers' name
+
+
 class Replica:
     """`lantau serve random:tiny` on CPU, its steps slowed by the test's delay file."""
 
     def __init__(self, delay_file) -> None:
-        self.port = free_port()
+        self.port, self.grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_address = f"127.0.0.1:{self.grpc_port}"
         cmd = [sys.executable, "-m", "lantau.cli", "serve", "random:tiny", "--device", "cpu",
-               "--port", str(self.port), "--grpc-port", "0", "--max-model-len", "512",
+               "--port", str(self.port), "--grpc-port", str(self.grpc_port),
+               "--served-model-name", SERVED, "--max-model-len", "512",
                "--num-kv-blocks", "512"]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "LANTAU_TEST_STEP_DELAY_FILE": delay_file}
         self.proc = subprocess.Popen(
@@ -347,12 +352,16 @@ def replicas(tmp_path):
             r.proc.communicate(timeout=30)
 
 
-def start_route(*urls: str) -> tuple[subprocess.Popen, str]:
+def start_route(*urls: str, grpc: tuple[str, ...] = (), grpc_port: int = 0):
     port = free_port()
     cmd = [sys.executable, "-m", "lantau.cli", "route", "--port", str(port),
            "--health-interval", "0.2", "--drain-timeout", "20"]  # fmt: skip
     for url in urls:
         cmd += ["--backend", url]
+    for address in grpc:
+        cmd += ["--grpc-backend", address]
+    if grpc:
+        cmd += ["--grpc-port", str(grpc_port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, proc)
@@ -369,7 +378,7 @@ def test_a_replica_killed_under_load_loses_no_request(replicas):
 
         def complete(i: int) -> openai.types.Completion:
             return client.completions.create(
-                model="random:tiny", prompt=f"Request {i}:", max_tokens=40,
+                model=SERVED, prompt=f"Request {i}:", max_tokens=40,
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
 
@@ -398,7 +407,7 @@ def test_a_replica_killed_under_load_loses_no_request(replicas):
         # after the kill: streams and buffered answers alike, on the survivor
         for i in range(4):
             stream = client.completions.create(
-                model="random:tiny", prompt=f"After {i}:", max_tokens=8, stream=True
+                model=SERVED, prompt=f"After {i}:", max_tokens=8, stream=True
             )
             assert "".join(c.choices[0].text for c in stream if c.choices)
         m = parse_prometheus(httpx.get(f"{base}/metrics").text)
@@ -429,4 +438,47 @@ def test_sigterm_drains_the_gateway(replicas):
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_grpc_through_the_gateway_and_a_replica_killed(replicas):
+    """tritonclient's gRPC client against the gateway's gRPC port: health, metadata, infer and
+    a decoupled stream relayed to the replicas; after one replica is killed, every call still
+    answers (the dead one is retried on the other, then marked down)."""
+    import tritonclient.grpc as grpcclient
+
+    from tests.test_kserve import collect_stream, make_inputs, text_output
+
+    grpc_port = free_port()
+    proc, base = start_route(grpc=tuple(r.grpc_address for r in replicas), grpc_port=grpc_port)
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.get_model_metadata(SERVED).name == SERVED
+
+        def infer(prompt: str) -> str:
+            inputs = make_inputs(grpcclient, prompt, max_tokens=8)
+            return text_output(client.infer(SERVED, inputs))
+
+        answers = {infer(f"Question {i}:") for i in range(4)}
+        assert all(answers)
+        by_id = collect_stream(client, [
+            dict(inputs=make_inputs(grpcclient, "Stream one:", 8, stream=True), request_id="a"),
+            dict(inputs=make_inputs(grpcclient, "Stream two:", 8, stream=False), request_id="b"),
+        ])  # fmt: skip
+        assert "".join(text_output(r) for r in by_id["a"]) and text_output(by_id["b"][0])
+        replicas[0].proc.send_signal(signal.SIGKILL)
+        replicas[0].proc.wait(10)
+        assert all(infer(f"After {i}:") for i in range(4))
+        by_id = collect_stream(client, [
+            dict(inputs=make_inputs(grpcclient, "Stream three:", 8, stream=True), request_id="c"),
+        ])  # fmt: skip
+        assert "".join(text_output(r) for r in by_id["c"])
+        listed = httpx.get(f"{base}/gateway/backends").json()["backends"]
+        by_url = {b["url"]: b for b in listed}
+        assert not by_url[f"grpc://{replicas[0].grpc_address}"]["healthy"]
+        assert by_url[f"grpc://{replicas[1].grpc_address}"]["responses"]["OK"] >= 8
+        client.close()
+    finally:
+        proc.kill()
         proc.communicate(timeout=30)

@@ -23,7 +23,7 @@ class GatewayCollector:
         self.gateway = gateway
 
     def collect(self) -> Iterator:
-        backends = self.gateway.backends
+        backends = self.gateway.all_backends
         b = ["backend"]
         yield gauge_family(
             "lantau:gateway_backend_up", "1 while the backend passes its health checks.",

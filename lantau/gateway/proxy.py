@@ -24,6 +24,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from lantau.gateway.grpc_proxy import GrpcRelay, grpc_backend
 from lantau.gateway.policy import Backend, choose_backend, make_policy
 
 logger = logging.getLogger("lantau.gateway")
@@ -39,6 +40,8 @@ _RETRIED_STATUSES = (429, 503)
 @dataclass(frozen=True)
 class GatewayConfig:
     backends: tuple[str, ...]  # base URLs of the replicas
+    grpc_backends: tuple[str, ...] = ()  # their gRPC ports, HOST:PORT (gateway/grpc_proxy.py)
+    grpc_port: int | None = None  # the gateway's own gRPC port (0: any free one)
     host: str = "127.0.0.1"
     port: int = 8080
     policy: str = "least-loaded"  # gateway/policy.py's POLICIES
@@ -67,11 +70,20 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.backends = [Backend(normalize_url(u)) for u in config.backends]
+        self.grpc_backends = [grpc_backend(a) for a in config.grpc_backends]
         self.policy = make_policy(config.policy)
         self.num_failed: dict[str, int] = {}  # requests the gateway answered with an error, by why
         self.is_draining = False
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
+        self._grpc_relay: GrpcRelay | None = None
+        self._grpc_server = None
+        self._grpc_stopping: asyncio.Task | None = None
+        self.bound_grpc_port: int | None = None
+
+    @property
+    def all_backends(self) -> list[Backend]:
+        return self.backends + self.grpc_backends
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -80,17 +92,37 @@ class Gateway:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
         )
+        if self.config.grpc_port is not None:
+            await self._start_grpc()
         await self.check_all()  # routes from the first request on
         self._health_task = asyncio.create_task(self._health_loop())
+
+    async def _start_grpc(self) -> None:
+        import grpc
+
+        self._grpc_relay = GrpcRelay(self, self.grpc_backends)
+        self._grpc_server = grpc.aio.server()
+        self._grpc_server.add_generic_rpc_handlers((self._grpc_relay,))
+        address = f"{self.config.host}:{self.config.grpc_port}"
+        self.bound_grpc_port = self._grpc_server.add_insecure_port(address)
+        await self._grpc_server.start()
+        logger.info("gRPC on %s:%d", self.config.host, self.bound_grpc_port)
 
     async def drain(self, app: web.Application) -> None:
         """on_shutdown: new requests get 503 while aiohttp lets the running ones finish."""
         self.is_draining = True
-        logger.info("draining %d requests", sum(b.num_in_flight for b in self.backends))
+        logger.info("draining %d requests", sum(b.num_in_flight for b in self.all_backends))
+        if self._grpc_server is not None:  # refuses new calls, lets the open ones end
+            stopping = self._grpc_server.stop(grace=self.config.drain_timeout_s)
+            self._grpc_stopping = asyncio.create_task(stopping)
 
     async def stop(self, app: web.Application) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
+        if self._grpc_stopping is not None:
+            await self._grpc_stopping
+        if self._grpc_relay is not None:
+            await self._grpc_relay.close()
         if self._session is not None:
             await self._session.close()
 
@@ -102,7 +134,10 @@ class Gateway:
             await self.check_all()
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(b) for b in list(self.backends)))
+        checks = [self.check(b) for b in self.backends]
+        if self._grpc_relay is not None:
+            checks += [self._grpc_relay.check(b) for b in self.grpc_backends]
+        await asyncio.gather(*checks)
 
     async def check(self, backend: Backend) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
@@ -240,7 +275,8 @@ class Gateway:
     # --- the gateway's own routes ------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        is_ready = not self.is_draining and any(b.is_available for b in self.backends)
+        serving = self.backends or self.grpc_backends  # HTTP replicas if any, else gRPC ones
+        is_ready = not self.is_draining and any(b.is_available for b in serving)
         return web.Response(status=200 if is_ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -254,7 +290,7 @@ class Gateway:
             {"url": b.url, "healthy": b.is_healthy, "draining": b.is_draining,
              "in_flight": b.num_in_flight, "responses": b.num_responses,
              "retries": b.num_retries, "last_error": b.last_error}
-            for b in self.backends
+            for b in self.all_backends
         ]})  # fmt: skip
 
     async def add_backend(self, request: web.Request) -> web.Response:
@@ -364,15 +400,20 @@ def build_app(config: GatewayConfig) -> web.Application:
 def run(config: GatewayConfig) -> None:
     """Serves until SIGTERM / SIGINT, then drains: the listener closes, requests in flight get
     up to drain_timeout_s to end."""
-    if not config.backends:
-        raise ValueError("lantau route needs at least one --backend URL")
+    if not config.backends and not config.grpc_backends:
+        raise ValueError("lantau route needs a --backend URL or a --grpc-backend HOST:PORT")
+    if bool(config.grpc_backends) != (config.grpc_port is not None):
+        raise ValueError("--grpc-backend and --grpc-port go together")
     for url in config.backends:
         normalize_url(url)
+    for address in config.grpc_backends:
+        grpc_backend(address)
     make_policy(config.policy)  # an unknown name fails here, before the port opens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logger.info(
         "routing to %s (%s) on http://%s:%d",
-        ", ".join(config.backends), config.policy, config.host, config.port,
+        ", ".join(config.backends + config.grpc_backends), config.policy, config.host,
+        config.port,
     )  # fmt: skip
     web.run_app(
         build_app(config), host=config.host, port=config.port, print=None,
