@@ -140,7 +140,7 @@ class GatewayThread:
 
 def gateway(*urls: str, **kw) -> GatewayThread:
     kw.setdefault("health_interval_s", 0.2)
-    return GatewayThread(GatewayConfig(backends=urls, **kw))
+    return GatewayThread(GatewayConfig(backends=urls, port=0, **kw))
 
 
 def body(i: int, max_tokens: int = 4, stream: bool = True) -> dict:
@@ -482,3 +482,72 @@ def test_grpc_through_the_gateway_and_a_replica_killed(replicas):
     finally:
         proc.kill()
         proc.communicate(timeout=30)
+
+
+class FakeGrpcReplica:
+    """A gRPC server answering every GRPCInferenceService method as raw bytes: ServerReady
+    ready; unary calls echoed; ModelStreamInfer echoes each request once the client closed its
+    side (so a replay shows), or, `refusing`, UNAVAILABLE before any response."""
+
+    def __init__(self, refusing: bool = False) -> None:
+        self.refusing = refusing
+        self.streamed: list[bytes] = []
+
+    def __enter__(self) -> FakeGrpcReplica:
+        import grpc
+
+        replica = self
+
+        class Handler(grpc.GenericRpcHandler):
+            def service(self, details):
+                if details.method.endswith("/ServerReady"):
+                    return grpc.unary_unary_rpc_method_handler(lambda r, c: b"\x08\x01")
+                if details.method.endswith("/ModelStreamInfer"):
+                    return grpc.stream_stream_rpc_method_handler(replica._stream)
+                return grpc.unary_unary_rpc_method_handler(lambda r, c: r)
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.server = grpc.server(ThreadPoolExecutor(4))
+        self.server.add_generic_rpc_handlers((Handler(),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+        return self
+
+    def _stream(self, requests, context):
+        import grpc
+
+        if self.refusing:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "refusing")
+        got = list(requests)
+        self.streamed += got
+        yield from (b"echo:" + r for r in got)
+
+    def __exit__(self, *exc) -> None:
+        self.server.stop(0)
+
+
+def test_grpc_stream_replayed_to_the_next_replica():
+    """A stream whose first replica refuses before any response goes to the next one with every
+    request it carried so far; unary calls and ServerReady pass as bytes."""
+    import grpc
+
+    with (
+        FakeGrpcReplica(refusing=True) as dead,
+        FakeGrpcReplica() as alive,
+        gateway(grpc_backends=(dead.address, alive.address), grpc_port=0,
+                policy="round-robin", health_interval_s=60) as g,
+    ):  # fmt: skip
+        channel = grpc.insecure_channel(f"127.0.0.1:{g.gateway.bound_grpc_port}")
+        method = "/inference.GRPCInferenceService/"
+        for i in range(2):  # round-robin: one of the two streams starts on the refusing one
+            replies = channel.stream_stream(method + "ModelStreamInfer")(iter([b"a", b"b%d" % i]))
+            assert list(replies) == [b"echo:a", b"echo:b%d" % i]
+        assert alive.streamed == [b"a", b"b0", b"a", b"b1"]
+        assert channel.unary_unary(method + "ModelInfer")(b"xyz") == b"xyz"
+        listed = httpx.get(f"{g.url}/gateway/backends").json()["backends"]
+        by_url = {b["url"]: b for b in listed}
+        # UNAVAILABLE as it refused, or INTERNAL where its end raced the gateway's sending
+        assert sum(by_url[f"grpc://{dead.address}"]["retries"].values()) >= 1
+        assert by_url[f"grpc://{alive.address}"]["responses"]["OK"] >= 2  # both streams
+        channel.close()

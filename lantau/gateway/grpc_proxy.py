@@ -4,8 +4,8 @@ the HTTP side's policies, health and retries.
 
 Retried on another replica: UNAVAILABLE (unreachable, starting, draining: it is also marked
 down) and RESOURCE_EXHAUSTED (its admission is full), for a unary call, and for a
-ModelStreamInfer stream until its first response (the requests sent so far are replayed to the
-replica that takes over). Any other status passes to the client as the replica gave it; a stream
+ModelStreamInfer stream until its first response (INTERNAL too there; the requests sent so far
+are replayed to the replica that takes over). Any other status passes to the client as the replica gave it; a stream
 whose replica fails after responses went out ends with UNAVAILABLE naming that.
 """
 
@@ -25,7 +25,10 @@ READY_METHOD = SERVICE + "ServerReady"
 # NOTE: a ServerReadyResponse with ready = true on the wire (field 1, varint 1); false is empty
 READY_REPLY = b"\x08\x01"
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-_END = object()  # the client closed its side of a stream
+# NOTE: a replica that ends a stream while the gateway is still sending its requests can leave
+# INTERNAL ("Internal error from Core", the failed send) as the call's status in place of its
+# own: before the first response, that is retried as well
+_STREAM_RETRIED = (*_RETRIED, grpc.StatusCode.INTERNAL)
 
 
 def grpc_backend(address: str) -> Backend:
@@ -132,7 +135,7 @@ class GrpcRelay(grpc.GenericRpcHandler):
                     return
                 except grpc.aio.AioRpcError as e:
                     backend.count_response(e.code().name)
-                    if num_relayed or e.code() not in _RETRIED:
+                    if num_relayed or e.code() not in _STREAM_RETRIED:
                         if num_relayed and e.code() is grpc.StatusCode.UNAVAILABLE:
                             self._count_failed("stream_cut")
                             self.gateway.mark(backend, False, e.details())
@@ -163,29 +166,35 @@ class GrpcRelay(grpc.GenericRpcHandler):
 
 class ClientRequests:
     """A stream's requests from the client, each kept: a replica that takes the stream over
-    before its first response gets them all again, then the client's next ones as they come."""
+    before its first response gets them all again, then the client's next ones as they come.
+    Each replica's call reads the list at its own pace (none takes a request from another)."""
 
     def __init__(self, requests: AsyncIterator[bytes]) -> None:
         self.sent: list[bytes] = []
-        self.is_closed = False  # the client closed its side
-        self._incoming: asyncio.Queue = asyncio.Queue()
+        self.is_closed = False  # the client closed its side (or its stream failed)
+        self._grown = asyncio.Event()
         self._pumping = asyncio.create_task(self._pump(requests))
 
     async def _pump(self, requests: AsyncIterator[bytes]) -> None:
-        async for request in requests:
-            self._incoming.put_nowait(request)
-        self._incoming.put_nowait(_END)
+        try:
+            async for request in requests:
+                self.sent.append(request)
+                self._grown.set()
+        finally:
+            self.is_closed = True
+            self._grown.set()
 
     async def replay_then_follow(self) -> AsyncIterator[bytes]:
-        for request in list(self.sent):
-            yield request
-        while not self.is_closed:
-            request = await self._incoming.get()
-            if request is _END:
-                self.is_closed = True
+        num_given = 0
+        while True:
+            while num_given < len(self.sent):
+                yield self.sent[num_given]
+                num_given += 1
+            if self.is_closed:
                 return
-            self.sent.append(request)
-            yield request
+            # NOTE: no await between the checks above and the wait: the pump cannot slip in
+            self._grown.clear()
+            await self._grown.wait()
 
     def close(self) -> None:
         self._pumping.cancel()
