@@ -5,8 +5,9 @@ the HTTP side's policies, health and retries.
 Retried on another replica: UNAVAILABLE (unreachable, starting, draining: it is also marked
 down) and RESOURCE_EXHAUSTED (its admission is full), for a unary call, and for a
 ModelStreamInfer stream until its first response (INTERNAL too there; the requests sent so far
-are replayed to the replica that takes over). Any other status passes to the client as the replica gave it; a stream
-whose replica fails after responses went out ends with UNAVAILABLE naming that.
+are replayed to the replica that takes over). Any other status passes to the client as the
+replica gave it; a stream whose replica fails after responses went out ends with UNAVAILABLE
+naming that.
 """
 
 from __future__ import annotations
