@@ -316,7 +316,7 @@ def route(args: argparse.Namespace) -> int:
         health_interval_s=args.health_interval, max_attempts=args.max_attempts,
         connect_timeout_s=args.connect_timeout, drain_timeout_s=args.drain_timeout,
         max_body_bytes=args.max_body_bytes, session_header=args.session_header,
-        admin_key=args.admin_key,
+        admin_key=args.admin_key, backend_api_key=args.backend_api_key,
     )  # fmt: skip
     if config.policy not in POLICIES:
         print(f"lantau route: unknown --policy {config.policy}", file=sys.stderr)
@@ -514,6 +514,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-key", default=None,
                    help="the key for adding and removing backends (POST / DELETE "
                         "/gateway/backends); without one they are refused")  # fmt: skip
+    p.add_argument("--backend-api-key", default=None,
+                   help="the replicas' API key, for the gateway's own reads of their /v1/models "
+                        "(clients' requests carry their own)")  # fmt: skip
     p.set_defaults(func=route)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)

@@ -32,8 +32,12 @@ def is_probe(body: dict) -> bool:
 
 
 class FakeOpenAIServer:
-    def __init__(self, script: Callable[[dict], Script], with_metrics: bool = False) -> None:
+    def __init__(
+        self, script: Callable[[dict], Script], with_metrics: bool = False,
+        model_names: tuple[str, ...] = ("fake-model",),
+    ) -> None:  # fmt: skip
         self.script = script
+        self.model_names = model_names  # what /v1/models lists
         self.with_metrics = with_metrics
         self.num_in_flight = 0
         self.max_in_flight = 0
@@ -77,7 +81,8 @@ class FakeOpenAIServer:
         self._loop.run_forever()
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+        data = [{"id": name, "object": "model"} for name in self.model_names]
+        return web.json_response({"object": "list", "data": data})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)

@@ -273,6 +273,53 @@ def test_no_backend_health_and_session_affinity():
         assert r.status_code == 503 and "no healthy backend" in r.json()["error"]["message"]
 
 
+def test_requests_go_to_the_replicas_serving_their_model():
+    """Each replica's /v1/models, read at its health checks, routes a request by the model it
+    names (the body's, or KServe's path); a model no replica lists may go to any; the gateway's
+    /v1/models is every replica's."""
+    with (
+        FakeOpenAIServer(lambda b: QUICK, model_names=("llama", "org/chat")) as a,
+        FakeOpenAIServer(lambda b: QUICK, model_names=("qwen",)) as b,
+        gateway(a.url, b.url) as g,
+    ):
+        for i in range(3):
+            assert post(g, {**body(i), "model": "llama"}).status_code == 200
+            assert post(g, {**body(10 + i), "model": "qwen"}).status_code == 200
+        assert [x["model"] for x in a.bodies] == ["llama"] * 3
+        assert [x["model"] for x in b.bodies] == ["qwen"] * 3
+        listed = httpx.get(f"{g.url}/v1/models").json()["data"]
+        assert sorted(m["id"] for m in listed) == ["llama", "org/chat", "qwen"]
+        assert post(g, {**body(20), "model": "new"}).status_code == 200  # any replica
+        assert len(a.bodies) + len(b.bodies) == 7
+        b.model_names = ("qwen", "new")  # loaded since: seen at its next check
+        deadline = time.monotonic() + 5
+        while "new" not in (g.gateway.backends[1].models or ()):
+            assert time.monotonic() < deadline, "the gateway never saw b's new model"
+            time.sleep(0.05)
+        before = len(b.bodies)
+        for i in range(2):
+            post(g, {**body(30 + i), "model": "new"})
+        assert len(b.bodies) == before + 2
+
+
+def test_the_model_a_request_names():
+    from aiohttp.test_utils import make_mocked_request
+
+    from lantau.gateway.proxy import requested_model
+
+    known = {"org", "org/chat", "qwen"}
+
+    def named(path: str, fields: dict | None = None) -> str | None:
+        return requested_model(make_mocked_request("POST", path), fields or {}, known)
+
+    assert named("/v2/models/org/chat/infer") == "org/chat"  # the longest known name
+    assert named("/v2/models/org/infer") == "org"
+    assert named("/v2/models/qwen/versions/2/infer") == "qwen"
+    assert named("/v2/models/other/infer") is None  # unknown: routed by the policy alone
+    assert named("/v1/completions", {"model": "qwen"}) == "qwen"
+    assert named("/v1/completions", {"model": 3}) is None
+
+
 def test_admin_adds_and_drains_backends():
     slow = Script(ttft_s=0.05, itl_s=0.05)
     with (

@@ -19,6 +19,9 @@ class Backend:
     is_healthy: bool = False  # its last health check, or the last call through it, succeeded
     is_draining: bool = False  # takes no new requests (being removed, or its operator said so)
     num_in_flight: int = 0  # requests this gateway has open on it now
+    # the model names it serves (its /v1/models at the last health check); None: not known
+    # (no such route, or it needs a key the gateway lacks), so it is tried for any model
+    models: frozenset[str] | None = None
     # what it answered (HTTP status as text) and why requests left it for another replica
     num_responses: dict[str, int] = field(default_factory=dict)
     num_retries: dict[str, int] = field(default_factory=dict)
@@ -30,6 +33,9 @@ class Backend:
     @property
     def is_available(self) -> bool:
         return self.is_healthy and not self.is_draining
+
+    def may_serve(self, model: str | None) -> bool:
+        return model is None or self.models is None or model in self.models
 
     def set_healthy(self, is_healthy: bool, error: str = "") -> bool:
         """Records a health reading; True when it changed the backend's state."""
@@ -121,8 +127,11 @@ def make_policy(name: str):
 
 
 def choose_backend(
-    policy, backends: Sequence[Backend], key: str | None, tried: set[str]
+    policy, backends: Sequence[Backend], key: str | None, tried: set[str], model: str | None = None
 ) -> Backend | None:
-    """The policy's pick among the available backends this request has not tried yet."""
-    candidates = [b for b in backends if b.is_available and b.url not in tried]
+    """The policy's pick among the available backends that may serve `model` and that this
+    request has not tried yet."""
+    candidates = [
+        b for b in backends if b.is_available and b.url not in tried and b.may_serve(model)
+    ]
     return policy.choose(candidates, key) if candidates else None

@@ -53,6 +53,7 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to end
     session_header: str = "x-session-id"  # the session policy's key (else the body's "user")
     admin_key: str | None = None  # /gateway/backends changes need it; without one they are off
+    backend_api_key: str | None = None  # sent with the gateway's own /v1/models reads
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Gateway:
         self.grpc_backends = [grpc_backend(a) for a in config.grpc_backends]
         self.policy = make_policy(config.policy)
         self.num_failed: dict[str, int] = {}  # requests the gateway answered with an error, by why
+        self.model_entries: dict[str, dict[str, dict]] = {}  # backend -> its /v1/models entries
         self.is_draining = False
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
@@ -144,9 +146,28 @@ class Gateway:
         try:
             async with self._session.get(backend.url + "/health", timeout=timeout) as resp:
                 await resp.read()
-                self.mark(backend, resp.status == 200, f"health check: HTTP {resp.status}")
+                is_healthy = resp.status == 200
+            if is_healthy:
+                await self._read_models(backend, timeout)
+            self.mark(backend, is_healthy, f"health check: HTTP {resp.status}")
         except (aiohttp.ClientError, TimeoutError) as e:
             self.mark(backend, False, f"health check: {_describe(e)}")
+
+    async def _read_models(self, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
+        """The backend's /v1/models: what it serves now (a repository loads and unloads)."""
+        key = self.config.backend_api_key
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        async with self._session.get(
+            backend.url + "/v1/models", headers=headers, timeout=timeout
+        ) as resp:
+            body = await resp.read()
+        try:
+            entries = orjson.loads(body)["data"] if resp.status == 200 else None
+            models = {e["id"]: e for e in entries} if entries is not None else None
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            models = None
+        backend.models = frozenset(models) if models is not None else None
+        self.model_entries[backend.url] = models or {}
 
     def mark(self, backend: Backend, is_healthy: bool, error: str = "") -> None:
         if backend.set_healthy(is_healthy, error):
@@ -162,12 +183,18 @@ class Gateway:
             return self.fail("draining", 503, "the gateway is shutting down")
         body = await request.read()
         headers = forward_headers(request)
-        key = self.session_key(request, body)
+        fields = json_fields(request, body)
+        key = self.session_key(request, fields)
+        model = requested_model(request, fields, self.served_models())
+        if not any(b.is_available and b.may_serve(model) for b in self.backends):
+            # NOTE: none is known to serve it (one may have loaded it since its last check):
+            # any replica may answer, with its own 404 if none has it
+            model = None
         tried: set[str] = set()
         refused: Refused | None = None
         start = time.perf_counter()
         for _ in range(self.config.max_attempts):
-            backend = choose_backend(self.policy, self.backends, key, tried)
+            backend = choose_backend(self.policy, self.backends, key, tried, model)
             if backend is None:
                 break
             tried.add(backend.url)
@@ -255,18 +282,24 @@ class Gateway:
         end = b"" if tail.endswith(b"\n\n") else b"\n\n"
         await out.write(end + b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n")
 
-    def session_key(self, request: web.Request, body: bytes) -> str | None:
+    def session_key(self, request: web.Request, fields: dict) -> str | None:
         """The session policy's key: the session header, else an OpenAI body's `user`."""
         if self.policy.name != "session":
             return None
-        key = request.headers.get(self.config.session_header)
-        if key or request.headers.get("content-encoding") or not body.startswith(b"{"):
-            return key or None
-        try:
-            user = orjson.loads(body).get("user")
-        except orjson.JSONDecodeError:
-            return None
-        return user if isinstance(user, str) and user else None
+        key = request.headers.get(self.config.session_header) or fields.get("user")
+        return key if isinstance(key, str) and key else None
+
+    def served_models(self) -> set[str]:
+        return {m for b in self.backends for m in b.models or ()}
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        """Every model an available backend serves (each once: the first backend's entry)."""
+        merged: dict[str, dict] = {}
+        for b in self.backends:
+            if b.is_available:
+                for name, entry in self.model_entries.get(b.url, {}).items():
+                    merged.setdefault(name, entry)
+        return json_response({"object": "list", "data": list(merged.values())})
 
     def fail(self, reason: str, status: int, message: str) -> web.Response:
         self.num_failed[reason] = self.num_failed.get(reason, 0) + 1
@@ -289,6 +322,7 @@ class Gateway:
         return json_response({"policy": self.policy.name, "backends": [
             {"url": b.url, "healthy": b.is_healthy, "draining": b.is_draining,
              "in_flight": b.num_in_flight, "responses": b.num_responses,
+             "models": sorted(b.models) if b.models is not None else None,
              "retries": b.num_retries, "last_error": b.last_error}
             for b in self.all_backends
         ]})  # fmt: skip
@@ -350,6 +384,30 @@ def normalize_url(url) -> str:
     return url.rstrip("/")
 
 
+def json_fields(request: web.Request, body: bytes) -> dict:
+    """A JSON object body's fields (an OpenAI request's `model`, `user`); {} for anything else
+    (compressed, not JSON, not an object): such a request is routed by its path alone."""
+    if request.headers.get("content-encoding") or not body.lstrip().startswith(b"{"):
+        return {}
+    try:
+        fields = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return {}
+    return fields if isinstance(fields, dict) else {}
+
+
+def requested_model(request: web.Request, fields: dict, known: set[str]) -> str | None:
+    """The model a request names: KServe's /v2/models/NAME/... path (NAME may hold slashes:
+    the longest known name the path starts with), else the body's `model`."""
+    path = request.path
+    if path.startswith("/v2/models/"):
+        rest = path[len("/v2/models/") :]
+        names = [m for m in known if rest == m or rest.startswith(m + "/")]
+        return max(names, key=len) if names else None
+    model = fields.get("model")
+    return model if isinstance(model, str) and model else None
+
+
 def forward_headers(request: web.Request) -> dict[str, str]:
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
     # NOTE: one id for every attempt, so the replicas' logs and the client's agree
@@ -390,6 +448,7 @@ def build_app(config: GatewayConfig) -> web.Application:
     app.on_cleanup.append(gateway.stop)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/metrics", gateway.metrics)
+    app.router.add_get("/v1/models", gateway.list_models)
     app.router.add_get("/gateway/backends", gateway.list_backends)
     app.router.add_post("/gateway/backends", gateway.add_backend)
     app.router.add_delete("/gateway/backends", gateway.remove_backend)
