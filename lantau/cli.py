@@ -317,6 +317,7 @@ def route(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout, drain_timeout_s=args.drain_timeout,
         max_body_bytes=args.max_body_bytes, session_header=args.session_header,
         admin_key=args.admin_key, backend_api_key=args.backend_api_key,
+        backend_dns=tuple(args.backend_dns),
     )  # fmt: skip
     if config.policy not in POLICIES:
         print(f"lantau route: unknown --policy {config.policy}", file=sys.stderr)
@@ -485,6 +486,9 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("route", help="a gateway over several servers: routing, retries, failover")
     p.add_argument("--backend", action="append", default=[], metavar="URL",
                    help="a replica's HTTP base URL (repeat for each)")  # fmt: skip
+    p.add_argument("--backend-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="a DNS name whose addresses are replicas (a Kubernetes headless "
+                        "Service), looked up each health round")  # fmt: skip
     p.add_argument(
         "--grpc-backend",
         action="append",

@@ -302,6 +302,45 @@ def test_requests_go_to_the_replicas_serving_their_model():
         assert len(b.bodies) == before + 2
 
 
+def test_replicas_found_by_dns_come_and_go():
+    """--backend-dns: a name's addresses become backends; an address gone from the DNS is
+    drained (its stream ends whole) and removed; one back is added again."""
+    slow = Script(ttft_s=0.02, itl_s=0.03)
+    with FakeOpenAIServer(lambda b: slow) as a, gateway(backend_dns=(f"localhost:{a.port}",)) as g:
+        url = f"http://127.0.0.1:{a.port}"
+        assert url in [b.url for b in g.gateway.backends]
+        addresses = {"127.0.0.1"}
+
+        async def resolve(host, port):
+            assert (host, port) == ("localhost", a.port)
+            return set(addresses)
+
+        g.gateway.resolve = resolve
+        result = {}
+        streaming = threading.Thread(target=lambda: result.update(r=post(g, body(0, 20))))
+        streaming.start()
+        deadline = time.monotonic() + 10
+        while not a.bodies:
+            assert time.monotonic() < deadline, "the stream never reached a"
+            time.sleep(0.01)
+        addresses.clear()  # the pod is gone from the Service
+
+        def urls() -> list[str]:
+            return [b.url for b in g.gateway.backends]
+
+        while url in urls():
+            assert time.monotonic() < deadline + 10, "never removed"
+            time.sleep(0.02)
+        streaming.join(10)
+        assert len(events(result["r"].text)) == 22  # it ended whole first
+        assert post(g, body(1)).status_code == 503  # nothing left to route to
+        addresses.add("127.0.0.1")
+        while not any(b.url == url and b.is_healthy for b in g.gateway.backends):
+            assert time.monotonic() < deadline + 20, "never added back"
+            time.sleep(0.02)
+        assert post(g, body(2)).status_code == 200
+
+
 def test_the_model_a_request_names():
     from aiohttp.test_utils import make_mocked_request
 

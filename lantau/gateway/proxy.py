@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class GatewayConfig:
     session_header: str = "x-session-id"  # the session policy's key (else the body's "user")
     admin_key: str | None = None  # /gateway/backends changes need it; without one they are off
     backend_api_key: str | None = None  # sent with the gateway's own /v1/models reads
+    backend_dns: tuple[str, ...] = ()  # NAME:PORT, resolved each health round to backends
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class Gateway:
         self.policy = make_policy(config.policy)
         self.num_failed: dict[str, int] = {}  # requests the gateway answered with an error, by why
         self.model_entries: dict[str, dict[str, dict]] = {}  # backend -> its /v1/models entries
+        self._discovered: dict[str, set[str]] = {}  # --backend-dns entry -> its backends' URLs
+        self._removals: set[asyncio.Task] = set()  # drains of backends gone from the DNS
         self.is_draining = False
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
@@ -96,6 +100,7 @@ class Gateway:
         )
         if self.config.grpc_port is not None:
             await self._start_grpc()
+        await self.discover()
         await self.check_all()  # routes from the first request on
         self._health_task = asyncio.create_task(self._health_loop())
 
@@ -133,7 +138,36 @@ class Gateway:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
+            await self.discover()
             await self.check_all()
+
+    async def discover(self) -> None:
+        """--backend-dns: each name's addresses now (a Kubernetes headless Service's ready
+        pods); a new one becomes a backend (checked before it takes requests), one gone is
+        drained and removed. A failed lookup changes nothing."""
+        for entry in self.config.backend_dns:
+            host, _, port = entry.rpartition(":")
+            try:
+                addresses = await self.resolve(host, int(port))
+            except OSError as e:
+                logger.warning("--backend-dns %s: %s", entry, e)
+                continue
+            urls = {f"http://{a}:{port}" if ":" not in a else f"http://[{a}]:{port}"
+                    for a in addresses}  # fmt: skip
+            known = self._discovered.setdefault(entry, set())
+            for url in sorted(urls - known):
+                self.backends.append(Backend(url))
+                logger.info("backend %s found (%s)", url, entry)
+            for url in known - urls:
+                backend = next((b for b in self.backends if b.url == url), None)
+                if backend is not None and not backend.is_draining:
+                    self._removals.add(asyncio.create_task(self.drain_and_remove(backend)))
+            self._removals = {t for t in self._removals if not t.done()}
+            self._discovered[entry] = urls
+
+    async def resolve(self, host: str, port: int) -> set[str]:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return {info[4][0] for info in infos}
 
     async def check_all(self) -> None:
         checks = [self.check(b) for b in self.backends]
@@ -352,13 +386,19 @@ class Gateway:
         backend = next((b for b in self.backends if b.url == url), None)
         if backend is None:
             return error_response(404, f"backend {url} is not routed to")
+        await self.drain_and_remove(backend)
+        return json_response({"url": url, "in_flight": backend.num_in_flight})
+
+    async def drain_and_remove(self, backend: Backend) -> None:
+        """No new requests for the backend; forgotten once its requests in flight ended (or
+        drain_timeout_s passed)."""
         backend.is_draining = True
         deadline = time.monotonic() + self.config.drain_timeout_s
         while backend.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.backends.remove(backend)
-        logger.info("backend %s removed (%d requests still open)", url, backend.num_in_flight)
-        return json_response({"url": url, "in_flight": backend.num_in_flight})
+        self.model_entries.pop(backend.url, None)
+        logger.info("backend %s removed (%d requests open)", backend.url, backend.num_in_flight)
 
     def _check_admin(self, request: web.Request) -> web.Response | None:
         import hmac
@@ -459,8 +499,14 @@ def build_app(config: GatewayConfig) -> web.Application:
 def run(config: GatewayConfig) -> None:
     """Serves until SIGTERM / SIGINT, then drains: the listener closes, requests in flight get
     up to drain_timeout_s to end."""
-    if not config.backends and not config.grpc_backends:
-        raise ValueError("lantau route needs a --backend URL or a --grpc-backend HOST:PORT")
+    if not (config.backends or config.grpc_backends or config.backend_dns):
+        raise ValueError(
+            "lantau route needs a --backend URL, a --backend-dns NAME:PORT or a --grpc-backend"
+        )
+    for entry in config.backend_dns:
+        host, _, port = entry.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--backend-dns is NAME:PORT, got {entry!r}")
     if bool(config.grpc_backends) != (config.grpc_port is not None):
         raise ValueError("--grpc-backend and --grpc-port go together")
     for url in config.backends:
@@ -471,7 +517,8 @@ def run(config: GatewayConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logger.info(
         "routing to %s (%s) on http://%s:%d",
-        ", ".join(config.backends + config.grpc_backends), config.policy, config.host,
+        ", ".join(config.backends + config.backend_dns + config.grpc_backends), config.policy,
+        config.host,
         config.port,
     )  # fmt: skip
     web.run_app(
