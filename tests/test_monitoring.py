@@ -17,6 +17,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ def test_alert_rules_unit_tests():
     tests = sorted((DEPLOY / "prometheus" / "tests").glob("*.yml"))
     out = run_tool(binary("promtool"), "test", "rules", *map(str, tests))
     assert out.count("SUCCESS") == len(tests) >= 7
-    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
     tested = " ".join(t.read_text() for t in tests)
     assert all(f"alertname: {r['alert']}" in tested for r in rules)  # each alert has a test
 
@@ -81,7 +82,10 @@ def test_dashboard_covers_the_issue():
         "lantau:kv_cache_usage_perc", "lantau:prefix_cache_hits_total", "lantau:batch_size",
         "lantau:gpu_utilization_perc", "lantau:gpu_memory_used_bytes", "lantau:gpu_power_watts",
         "lantau:request_status_total", "node_cpu_seconds_total", "node_memory_MemAvailable_bytes",
-        "node_network_receive_bytes_total",
+        "node_network_receive_bytes_total", "lantau:gateway_backend_up",
+        "lantau:gateway_backend_requests_in_flight", "lantau:gateway_backend_responses_total",
+        "lantau:gateway_retries_total", "lantau:gateway_failed_requests_total",
+        "lantau:gateway_request_duration_seconds_bucket",
     ):  # fmt: skip
         assert needle in exprs, needle
 
@@ -153,7 +157,7 @@ class Stack:
 def short_rules(tmp: Path) -> Path:
     """The rules with every `for:` at 3 s and every 5-minute window at 10 s."""
     rules = yaml.safe_load(RULES.read_text())
-    for rule in rules["groups"][0]["rules"]:
+    for rule in (r for g in rules["groups"] for r in g["rules"]):
         rule["for"] = "3s"
         rule["expr"] = rule["expr"].replace("[5m]", "[10s]")
     path = tmp / "rules.yml"
@@ -171,7 +175,7 @@ def alertmanager_config(tmp: Path, webhook_url: str) -> Path:
     return path
 
 
-def prometheus_config(tmp: Path, lantau: str, node: str, alertmanager: str) -> Path:
+def prometheus_config(tmp: Path, lantau: str, node: str, alertmanager: str, gateway: str) -> Path:
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(short_rules(tmp))],
@@ -179,6 +183,7 @@ def prometheus_config(tmp: Path, lantau: str, node: str, alertmanager: str) -> P
         "scrape_configs": [
             {"job_name": "lantau", "static_configs": [{"targets": [lantau]}]},
             {"job_name": "node", "static_configs": [{"targets": [node]}]},
+            {"job_name": "lantau-gateway", "static_configs": [{"targets": [gateway]}]},
         ],
     }
     path = tmp / "prometheus.yml"
@@ -222,8 +227,15 @@ def stack(tmp_path, monkeypatch):
         server = Server()
         for _ in range(3):  # warm: the first requests are slower (nothing the page should see)
             httpx.post(f"{server.base}/v1/completions", json={"prompt": [5, 6], "max_tokens": 8})
-        ports = {name: free_port() for name in ("node", "alertmanager", "prometheus")}
-        node, am, prom = (f"127.0.0.1:{ports[n]}" for n in ("node", "alertmanager", "prometheus"))
+        names = ("node", "alertmanager", "prometheus", "gateway")
+        ports = {name: free_port() for name in names}
+        node, am, prom, gateway = (f"127.0.0.1:{ports[n]}" for n in names)
+        procs.start(
+            "gateway",
+            sys.executable, "-m", "lantau.cli", "route", "--backend", server.base,
+            "--port", str(ports["gateway"]), "--health-interval", "0.5",
+            ready_url=f"http://{gateway}/health",
+        )  # fmt: skip
         procs.start(
             "node-exporter",
             binary("prometheus-node-exporter"),
@@ -239,12 +251,12 @@ def stack(tmp_path, monkeypatch):
             "--cluster.listen-address=",
             ready_url=f"http://{am}/-/ready",
         )
-        procs.start("prometheus", binary("prometheus"),
-                    f"--config.file={prometheus_config(tmp_path, server.base[7:], node, am)}",
+        config = prometheus_config(tmp_path, server.base[7:], node, am, gateway)
+        procs.start("prometheus", binary("prometheus"), f"--config.file={config}",
                     f"--storage.tsdb.path={tmp_path / 'prom-data'}", f"--web.listen-address={prom}",
                     "--rules.alert.resend-delay=1s",
                     ready_url=f"http://{prom}/-/ready")  # fmt: skip
-        yield server, f"http://{prom}", webhook, delay
+        yield f"http://{gateway}", f"http://{prom}", webhook, delay
     finally:
         procs.close()
         webhook.close()
@@ -278,10 +290,10 @@ def grafana_to_promql(expr: str) -> str:
 
 
 def test_live_dashboard_and_the_800ms_page(stack):
-    server, prometheus, webhook, delay = stack
-    load = Load(server.base)
+    gateway, prometheus, webhook, delay = stack  # the load goes through `lantau route`
+    load = Load(gateway)
     try:
-        bad = httpx.post(f"{server.base}/v1/completions", json={"max_tokens": 1})
+        bad = httpx.post(f"{gateway}/v1/completions", json={"max_tokens": 1})
         assert bad.status_code == 400
         exprs = [grafana_to_promql(e) for e in dashboard_exprs()]
         live = [e for e in exprs if not NEEDS_GPU.search(e)]

@@ -85,6 +85,7 @@ class GrpcRelay(grpc.GenericRpcHandler):
             self.gateway.mark(backend, False, f"{e.code().name}: {e.details()}")
 
     async def _unary(self, method: str, request: bytes, context) -> bytes:
+        self.gateway.num_requests += 1
         metadata = forward_metadata(context)
         tried: set[str] = set()
         last: grpc.aio.AioRpcError | None = None
@@ -112,6 +113,7 @@ class GrpcRelay(grpc.GenericRpcHandler):
 
     async def _stream(self, method: str, requests: AsyncIterator[bytes], context):
         """ModelStreamInfer: the client's requests pumped to the replica, its responses back."""
+        self.gateway.num_requests += 1
         metadata = forward_metadata(context)
         client = ClientRequests(requests)
         tried: set[str] = set()

@@ -57,6 +57,11 @@ class GatewayCollector:
             [((x.url, t), n) for x in backends for t, n in sorted(x.num_transitions.items())],
         )  # fmt: skip
         yield counter_family(
+            "lantau:gateway_requests",
+            "Requests the gateway received to pass on (its own routes aside).",
+            [], [((), self.gateway.num_requests)],
+        )  # fmt: skip
+        yield counter_family(
             "lantau:gateway_failed_requests",
             "Requests the gateway answered with its own error, by why (no_backend, "
             "all_attempts_failed, stream_cut, draining, or http_429 / http_503 when every "

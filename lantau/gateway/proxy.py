@@ -75,6 +75,7 @@ class Gateway:
         self.backends = [Backend(normalize_url(u)) for u in config.backends]
         self.grpc_backends = [grpc_backend(a) for a in config.grpc_backends]
         self.policy = make_policy(config.policy)
+        self.num_requests = 0  # requests received to pass on (the gateway's own routes aside)
         self.num_failed: dict[str, int] = {}  # requests the gateway answered with an error, by why
         self.model_entries: dict[str, dict[str, dict]] = {}  # backend -> its /v1/models entries
         self._discovered: dict[str, set[str]] = {}  # --backend-dns entry -> its backends' URLs
@@ -213,6 +214,7 @@ class Gateway:
     # --- proxying ----------------------------------------------------------------------------
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
+        self.num_requests += 1
         if self.is_draining:
             return self.fail("draining", 503, "the gateway is shutting down")
         body = await request.read()
