@@ -27,6 +27,7 @@ from lantau.gateway.policy import (
     LeastLoaded,
     RoundRobin,
     SessionAffinity,
+    backends_to_try,
     choose_backend,
     make_policy,
 )
@@ -87,6 +88,12 @@ def test_choose_backend_skips_down_draining_and_tried():
     policy = LeastLoaded()
     assert choose_backend(policy, pool, None, {pool[2].url}) is pool[3]
     assert choose_backend(policy, pool, None, {pool[2].url, pool[3].url}) is None
+    pool[0].is_healthy = True
+    order = backends_to_try(RoundRobin(), pool, max_attempts=2)
+    first = next(order)
+    next(b for b in pool if b is not first and b.is_available).is_healthy = False
+    rest = list(order)  # the pick after a failure sees what changed meanwhile
+    assert len(rest) == 1 and rest[0] is not first and rest[0].is_available
     with pytest.raises(ValueError, match="unknown routing policy 'random'"):
         make_policy("random")
     with pytest.raises(ValueError, match="at least 1"):
@@ -302,6 +309,19 @@ def test_requests_go_to_the_replicas_serving_their_model():
         assert len(b.bodies) == before + 2
 
 
+def stream_in_flight(g: GatewayThread, replica: FakeOpenAIServer) -> tuple[threading.Thread, dict]:
+    """A 20-token stream through the gateway, returned once it reached `replica`; the
+    response lands in the dict's "r" when the thread ends."""
+    result: dict = {}
+    streaming = threading.Thread(target=lambda: result.update(r=post(g, body(0, 20))))
+    streaming.start()
+    deadline = time.monotonic() + 10
+    while not replica.bodies:
+        assert time.monotonic() < deadline, "the stream never reached the replica"
+        time.sleep(0.01)
+    return streaming, result
+
+
 def test_replicas_found_by_dns_come_and_go():
     """--backend-dns: a name's addresses become backends; an address gone from the DNS is
     drained (its stream ends whole) and removed; one back is added again."""
@@ -316,13 +336,8 @@ def test_replicas_found_by_dns_come_and_go():
             return set(addresses)
 
         g.gateway.resolve = resolve
-        result = {}
-        streaming = threading.Thread(target=lambda: result.update(r=post(g, body(0, 20))))
-        streaming.start()
+        streaming, result = stream_in_flight(g, a)
         deadline = time.monotonic() + 10
-        while not a.bodies:
-            assert time.monotonic() < deadline, "the stream never reached a"
-            time.sleep(0.01)
         addresses.clear()  # the pod is gone from the Service
 
         def urls() -> list[str]:
@@ -368,13 +383,7 @@ def test_admin_adds_and_drains_backends():
     ):
         url = f"{g.url}/gateway/backends"
         # a 20-token stream on a (1 s), then b added and a removed: the removal waits for it
-        result = {}
-        streaming = threading.Thread(target=lambda: result.update(r=post(g, body(0, 20))))
-        streaming.start()
-        deadline = time.monotonic() + 10
-        while not a.bodies:
-            assert time.monotonic() < deadline, "the stream never reached a"
-            time.sleep(0.01)
+        streaming, result = stream_in_flight(g, a)
         assert httpx.post(url, json={"url": b.url}).status_code == 401
         assert httpx.post(url, json={"url": "ftp://x"}, headers=AUTH_K).status_code == 400
         r = httpx.post(url, json={"url": b.url + "/"}, headers=AUTH_K)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from lantau.gateway.policy import Backend, choose_backend
+from lantau.gateway.policy import Backend, backends_to_try
 
 SERVICE = "/inference.GRPCInferenceService/"
 STREAMING_METHODS = frozenset({SERVICE + "ModelStreamInfer"})  # the rest are unary
@@ -76,8 +76,8 @@ class GrpcRelay(grpc.GenericRpcHandler):
             return grpc.stream_stream_rpc_method_handler(functools.partial(self._stream, method))
         return grpc.unary_unary_rpc_method_handler(functools.partial(self._unary, method))
 
-    def _pick(self, tried: set[str]) -> Backend | None:
-        return choose_backend(self.gateway.policy, self.backends, None, tried)
+    def _backends_to_try(self) -> Iterator[Backend]:
+        return backends_to_try(self.gateway.policy, self.backends, self.gateway.config.max_attempts)
 
     def _refused(self, backend: Backend, e: grpc.aio.AioRpcError) -> None:
         backend.count_retry(e.code().name.lower())
@@ -87,13 +87,8 @@ class GrpcRelay(grpc.GenericRpcHandler):
     async def _unary(self, method: str, request: bytes, context) -> bytes:
         self.gateway.num_requests += 1
         metadata = forward_metadata(context)
-        tried: set[str] = set()
         last: grpc.aio.AioRpcError | None = None
-        for _ in range(self.gateway.config.max_attempts):
-            backend = self._pick(tried)
-            if backend is None:
-                break
-            tried.add(backend.url)
+        for backend in self._backends_to_try():
             backend.num_in_flight += 1
             try:
                 reply = await self.channel(backend).unary_unary(method)(
@@ -116,14 +111,9 @@ class GrpcRelay(grpc.GenericRpcHandler):
         self.gateway.num_requests += 1
         metadata = forward_metadata(context)
         client = ClientRequests(requests)
-        tried: set[str] = set()
         last: grpc.aio.AioRpcError | None = None
         try:
-            for _ in range(self.gateway.config.max_attempts):
-                backend = self._pick(tried)
-                if backend is None:
-                    break
-                tried.add(backend.url)
+            for backend in self._backends_to_try():
                 backend.num_in_flight += 1
                 call = self.channel(backend).stream_stream(method)(
                     client.replay_then_follow(), metadata=metadata,

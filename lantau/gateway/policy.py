@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from lantau.metrics.stats import LATENCY_BUCKETS, Histogram
@@ -124,6 +124,22 @@ def make_policy(name: str):
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")
     return POLICIES[name]()
+
+
+def backends_to_try(
+    policy, backends: Sequence[Backend], max_attempts: int, key: str | None = None,
+    model: str | None = None,
+) -> Iterator[Backend]:  # fmt: skip
+    """The replicas one request tries in turn, at most max_attempts: each the policy's pick
+    among those it has not tried, made once the one before failed (so what the health checks
+    learnt meanwhile counts)."""
+    tried: set[str] = set()
+    for _ in range(max_attempts):
+        backend = choose_backend(policy, backends, key, tried, model)
+        if backend is None:
+            return
+        tried.add(backend.url)
+        yield backend
 
 
 def choose_backend(

@@ -26,7 +26,7 @@ import orjson
 from aiohttp import web
 
 from lantau.gateway.grpc_proxy import GrpcRelay, grpc_backend
-from lantau.gateway.policy import Backend, choose_backend, make_policy
+from lantau.gateway.policy import Backend, backends_to_try, make_policy
 
 logger = logging.getLogger("lantau.gateway")
 
@@ -226,14 +226,12 @@ class Gateway:
             # NOTE: none is known to serve it (one may have loaded it since its last check):
             # any replica may answer, with its own 404 if none has it
             model = None
-        tried: set[str] = set()
         refused: Refused | None = None
+        num_tried = 0
         start = time.perf_counter()
-        for _ in range(self.config.max_attempts):
-            backend = choose_backend(self.policy, self.backends, key, tried, model)
-            if backend is None:
-                break
-            tried.add(backend.url)
+        attempts = self.config.max_attempts
+        for backend in backends_to_try(self.policy, self.backends, attempts, key, model):
+            num_tried += 1
             backend.num_in_flight += 1
             try:
                 answer = await self._attempt(request, backend, body, headers)
@@ -250,7 +248,7 @@ class Gateway:
         if refused.status in _RETRIED_STATUSES:  # every replica tried was busy or not ready
             self.num_failed[refused.reason] = self.num_failed.get(refused.reason, 0) + 1
             return web.Response(status=refused.status, body=refused.body, headers=refused.headers)
-        message = f"no backend answered ({len(tried)} tried; the last: {refused.reason})"
+        message = f"no backend answered ({num_tried} tried; the last: {refused.reason})"
         return self.fail("all_attempts_failed", 502, message)
 
     async def _attempt(
