@@ -8,8 +8,6 @@ import json
 import math
 import random
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -27,6 +25,7 @@ from lantau.bench.serve import (
 from lantau.bench.stats import LatencyStats, RequestRecord, Slo, percentile, summarize
 from lantau.cli import main
 from tests.fake_openai_server import FakeOpenAIServer, Script
+from tests.stall_watch import StallWatch
 
 # NOTE: two references. The server's own record of when it sent each chunk (same process, same
 # clock): the client's gaps between chunks must match those within the delivery jitter, and its
@@ -41,36 +40,13 @@ LATE_MS = 30.0  # client TTFT or e2e vs script
 # request's way in. Each timed run is watched by a thread that wakes every 2 ms: a run in which
 # it woke more than STALL_MS late is run again on a fresh server, and the bounds are asserted on
 # a run without one
-STALL_MS = 12.0
-MAX_ATTEMPTS = 4
+STALL_MS = 20.0  # a busy 2-core machine makes ~5-12 ms of lateness on its own
+MAX_ATTEMPTS = 5
 
 
 def config(server: FakeOpenAIServer, **kw) -> ServeConfig:
     kw.setdefault("workload", "random:8/5")
     return ServeConfig(base_url=server.url, show_progress=False, **kw)
-
-
-class StallWatch:
-    """The longest lateness (ms) of a thread's 2 ms sleeps while the block runs."""
-
-    def __enter__(self) -> StallWatch:
-        self.worst_ms = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def _watch(self) -> None:
-        while True:
-            before = time.perf_counter()
-            if self._stop.wait(0.002):
-                return
-            late_ms = 1000 * (time.perf_counter() - before) - 2.0
-            self.worst_ms = max(self.worst_ms, late_ms)
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def timed_run(script, with_metrics: bool = False, **kw):
