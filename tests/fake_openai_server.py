@@ -42,6 +42,7 @@ class FakeOpenAIServer:
         self.num_in_flight = 0
         self.max_in_flight = 0
         self.bodies: list[dict] = []  # every request but the probe, in arrival order
+        self.headers: list = []  # and its headers (a CIMultiDictProxy each)
         self.arrivals: list[float] = []  # perf_counter when each body was read
         # each stream as sent: prompt -> (its arrival, perf_counter after each text chunk)
         self.streams: dict[tuple, tuple[float, list[float]]] = {}
@@ -131,6 +132,7 @@ class FakeOpenAIServer:
             script = Script(ttft_s=0, itl_s=0)
         else:
             self.bodies.append(body)
+            self.headers.append(request.headers)
             self.arrivals.append(start)
         if script.status != 200:
             error = {"message": "scripted", "type": "error", "code": script.status}

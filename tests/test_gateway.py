@@ -197,6 +197,21 @@ def test_bodies_pass_as_sent_and_are_capped():
         assert r.status_code == 413 and len(a.bodies) == 1
 
 
+def test_headers_passed_on():
+    """End-to-end headers go on once each; hop-by-hop ones and those `Connection` names do not;
+    the request id is the client's, or a new one, and x-forwarded-for grows by the client."""
+    with FakeOpenAIServer(lambda b: QUICK) as a, gateway(a.url) as g:
+        sent = {"X-Request-ID": "abc", "X-Forwarded-For": "10.1.1.1", "Authorization": "Bearer k",
+                "Connection": "keep-alive, X-Hop", "X-Hop": "1", "X-Custom": "yes"}  # fmt: skip
+        assert post(g, body(0), headers=sent).status_code == 200
+        assert post(g, body(1)).status_code == 200
+        seen, fresh = a.headers
+        assert seen.getall("x-request-id") == ["abc"] and seen["authorization"] == "Bearer k"
+        assert seen.getall("x-forwarded-for") == ["10.1.1.1, 127.0.0.1"]
+        assert "x-hop" not in seen and seen["x-custom"] == "yes"
+        assert len(fresh["x-request-id"]) == 32 and fresh["x-forwarded-for"] == "127.0.0.1"
+
+
 def test_a_dead_replica_is_routed_around_and_marked_down():
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     # NOTE: no health checks after the first: the dead one is found by a request

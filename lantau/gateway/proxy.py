@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from lantau.gateway.grpc_proxy import GrpcRelay, grpc_backend
 from lantau.gateway.policy import Backend, backends_to_try, make_policy
@@ -252,7 +253,7 @@ class Gateway:
         return self.fail("all_attempts_failed", 502, message)
 
     async def _attempt(
-        self, request: web.Request, backend: Backend, body: bytes, headers: dict[str, str]
+        self, request: web.Request, backend: Backend, body: bytes, headers: CIMultiDict
     ) -> web.StreamResponse | Refused:
         url = backend.url + request.rel_url.raw_path_qs
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
@@ -448,18 +449,25 @@ def requested_model(request: web.Request, fields: dict, known: set[str]) -> str 
     return model if isinstance(model, str) and model else None
 
 
-def forward_headers(request: web.Request) -> dict[str, str]:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+def _end_to_end(headers) -> list[tuple[str, str]]:
+    """The headers a proxy passes on: not the hop-by-hop ones, nor those `Connection` names."""
+    named = {t.strip().lower() for v in headers.getall("connection", ()) for t in v.split(",")}
+    return [(k, v) for k, v in headers.items() if k.lower() not in _NOT_FORWARDED | named]
+
+
+def forward_headers(request: web.Request) -> CIMultiDict:
+    headers = CIMultiDict(_end_to_end(request.headers))
     # NOTE: one id for every attempt, so the replicas' logs and the client's agree
-    headers.setdefault("x-request-id", request.headers.get("x-request-id") or uuid.uuid4().hex)
+    if not headers.get("x-request-id"):
+        headers["x-request-id"] = uuid.uuid4().hex
     peer = request.remote or ""
-    prior = request.headers.get("x-forwarded-for")
+    prior = ", ".join(headers.getall("x-forwarded-for", ()))
     headers["x-forwarded-for"] = f"{prior}, {peer}" if prior else peer
     return headers
 
 
 def response_headers(resp: aiohttp.ClientResponse) -> tuple[tuple[str, str], ...]:
-    return tuple((k, v) for k, v in resp.headers.items() if k.lower() not in _NOT_FORWARDED)
+    return tuple(_end_to_end(resp.headers))
 
 
 def error_response(status: int, message: str) -> web.Response:
