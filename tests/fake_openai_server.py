@@ -48,6 +48,7 @@ class FakeOpenAIServer:
         self.streams: dict[tuple, tuple[float, list[float]]] = {}
         self.num_metrics_scrapes = 0
         self.health_status = 200  # what GET /health answers (a gateway's checks read it)
+        self.reported_in_flight: int | None = None  # GET /status's num_in_flight (None: 404)
 
     def __enter__(self) -> FakeOpenAIServer:
         ready = threading.Event()
@@ -71,6 +72,7 @@ class FakeOpenAIServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/status", self._status)
         if self.with_metrics:
             app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app)
@@ -87,6 +89,11 @@ class FakeOpenAIServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        if self.reported_in_flight is None:
+            return web.Response(status=404)
+        return web.json_response({"num_in_flight": self.reported_in_flight})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.num_metrics_scrapes += 1

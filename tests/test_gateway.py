@@ -56,6 +56,21 @@ def test_round_robin_and_least_loaded():
     assert {ll.choose(idle, None).url for _ in range(3)} == {b.url for b in idle}
 
 
+def test_load_is_the_replicas_own_count_where_it_reports_one():
+    a, b = backends(2)
+    assert a.load == 0
+    a.report_in_flight(10)  # other gateways' requests
+    a.start_request()
+    assert (a.num_in_flight, a.load) == (1, 11)
+    assert LeastLoaded().choose([a, b], None) is b
+    a.report_in_flight(0)  # the next check: it has emptied
+    assert a.load == 1  # this gateway's own request is still open
+    a.end_request()
+    b.report_in_flight(None)  # no /status
+    b.num_in_flight = 3
+    assert b.load == 3 and LeastLoaded().choose([a, b], None) is a
+
+
 def test_session_affinity_is_stable_moves_few_and_bounds_load():
     policy = SessionAffinity(load_factor=1.25)
     pool = backends(4)
@@ -195,6 +210,25 @@ def test_bodies_pass_as_sent_and_are_capped():
         assert r.status_code == 200 and a.bodies[-1]["prompt"] == [7, 1, 2]
         r = httpx.post(f"{g.url}/v1/completions", content=b" " * 1001, timeout=10)
         assert r.status_code == 413 and len(a.bodies) == 1
+
+
+def test_replicas_reported_load_steers_least_loaded():
+    """A replica that reports many requests in flight (another gateway's) gets none of this
+    gateway's until its report drops."""
+    with FakeOpenAIServer(lambda b: QUICK) as a, FakeOpenAIServer(lambda b: QUICK) as b:
+        a.reported_in_flight, b.reported_in_flight = 50, 0
+        with gateway(a.url, b.url) as g:
+            for i in range(4):
+                assert post(g, body(i)).status_code == 200
+            assert (len(a.bodies), len(b.bodies)) == (0, 4)
+            a.reported_in_flight, b.reported_in_flight = 0, 50
+            deadline = time.monotonic() + 5
+            while [x.reported_in_flight for x in g.gateway.backends] != [0, 50]:
+                assert time.monotonic() < deadline, "the new reports were never read"
+                time.sleep(0.05)
+            for i in range(4):
+                assert post(g, body(10 + i)).status_code == 200
+            assert (len(a.bodies), len(b.bodies)) == (4, 4)
 
 
 def test_headers_passed_on():

@@ -89,7 +89,7 @@ class GrpcRelay(grpc.GenericRpcHandler):
         metadata = forward_metadata(context)
         last: grpc.aio.AioRpcError | None = None
         for backend in self._backends_to_try():
-            backend.num_in_flight += 1
+            backend.start_request()
             try:
                 reply = await self.channel(backend).unary_unary(method)(
                     request, metadata=metadata, timeout=context.time_remaining()
@@ -103,7 +103,7 @@ class GrpcRelay(grpc.GenericRpcHandler):
                 self._refused(backend, e)
                 last = e
             finally:
-                backend.num_in_flight -= 1
+                backend.end_request()
         await self._give_up(context, last)
 
     async def _stream(self, method: str, requests: AsyncIterator[bytes], context):
@@ -114,7 +114,7 @@ class GrpcRelay(grpc.GenericRpcHandler):
         last: grpc.aio.AioRpcError | None = None
         try:
             for backend in self._backends_to_try():
-                backend.num_in_flight += 1
+                backend.start_request()
                 call = self.channel(backend).stream_stream(method)(
                     client.replay_then_follow(), metadata=metadata,
                     timeout=context.time_remaining(),
@@ -140,7 +140,7 @@ class GrpcRelay(grpc.GenericRpcHandler):
                     last = e
                 finally:
                     call.cancel()
-                    backend.num_in_flight -= 1
+                    backend.end_request()
             await self._give_up(context, last)
         finally:
             client.close()

@@ -19,6 +19,10 @@ class Backend:
     is_healthy: bool = False  # its last health check, or the last call through it, succeeded
     is_draining: bool = False  # takes no new requests (being removed, or its operator said so)
     num_in_flight: int = 0  # requests this gateway has open on it now
+    # what the replica itself counted in flight at the last check (a `lantau serve`'s /status:
+    # every client's requests, other gateways' too), and what this gateway sent it since
+    reported_in_flight: int | None = None
+    num_sent_since_report: int = 0
     # the model names it serves (its /v1/models at the last health check); None: not known
     # (no such route, or it needs a key the gateway lacks), so it is tried for any model
     models: frozenset[str] | None = None
@@ -33,6 +37,27 @@ class Backend:
     @property
     def is_available(self) -> bool:
         return self.is_healthy and not self.is_draining
+
+    @property
+    def load(self) -> int:
+        """Requests open on the replica as best known: this gateway's own, or its last report
+        plus what was sent since, whichever is more (a report counts requests that ended
+        since, so it can only overstate; other gateways' requests only a report shows)."""
+        if self.reported_in_flight is None:
+            return self.num_in_flight
+        return max(self.num_in_flight, self.reported_in_flight + self.num_sent_since_report)
+
+    def start_request(self) -> None:
+        self.num_in_flight += 1
+        self.num_sent_since_report += 1
+
+    def end_request(self) -> None:
+        self.num_in_flight -= 1
+        assert self.num_in_flight >= 0
+
+    def report_in_flight(self, num: int | None) -> None:
+        self.reported_in_flight = num
+        self.num_sent_since_report = 0
 
     def may_serve(self, model: str | None) -> bool:
         return model is None or self.models is None or model in self.models
@@ -70,8 +95,9 @@ class RoundRobin:
 
 
 class LeastLoaded:
-    """The backend with the fewest requests in flight from this gateway; ties taken in turn,
-    so an idle pool is spread evenly rather than always starting at the first backend."""
+    """The backend with the fewest requests open (`Backend.load`: this gateway's, or the
+    replica's own count where it reports one); ties taken in turn, so an idle pool is spread
+    evenly rather than always starting at the first backend."""
 
     name = "least-loaded"
 
@@ -82,7 +108,7 @@ class LeastLoaded:
         self._turn += 1
         n = len(candidates)
         rotated = [candidates[(self._turn + i) % n] for i in range(n)]
-        return min(rotated, key=lambda b: b.num_in_flight)
+        return min(rotated, key=lambda b: b.load)
 
 
 class SessionAffinity:
@@ -104,11 +130,11 @@ class SessionAffinity:
     def choose(self, candidates: Sequence[Backend], key: str | None) -> Backend:
         if key is None:
             return self._least_loaded.choose(candidates, key)
-        total = sum(b.num_in_flight for b in candidates) + 1  # this request included
+        total = sum(b.load for b in candidates) + 1  # this request included
         cap = math.ceil(self.load_factor * total / len(candidates))
         ranked = sorted(candidates, key=lambda b: _rendezvous_score(key, b.url), reverse=True)
         # NOTE: some backend is always under the cap: they cannot all hold more than the mean
-        return next(b for b in ranked if b.num_in_flight < cap)
+        return next(b for b in ranked if b.load < cap)
 
 
 def _rendezvous_score(key: str, url: str) -> int:

@@ -185,16 +185,32 @@ class Gateway:
                 is_healthy = resp.status == 200
             if is_healthy:
                 await self._read_models(backend, timeout)
+                await self._read_load(backend, timeout)
             self.mark(backend, is_healthy, f"health check: HTTP {resp.status}")
         except (aiohttp.ClientError, TimeoutError) as e:
             self.mark(backend, False, f"health check: {_describe(e)}")
 
+    async def _read_load(self, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
+        """A `lantau serve`'s own count of its requests in flight (/status), which other
+        gateways' and direct clients' requests are part of; None where it has none."""
+        async with self._session.get(
+            backend.url + "/status", headers=self._backend_auth(), timeout=timeout
+        ) as resp:
+            body = await resp.read()
+        try:
+            num = orjson.loads(body)["num_in_flight"] if resp.status == 200 else None
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            num = None
+        backend.report_in_flight(num if isinstance(num, int) else None)
+
+    def _backend_auth(self) -> dict[str, str]:
+        key = self.config.backend_api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
     async def _read_models(self, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
         """The backend's /v1/models: what it serves now (a repository loads and unloads)."""
-        key = self.config.backend_api_key
-        headers = {"authorization": f"Bearer {key}"} if key else {}
         async with self._session.get(
-            backend.url + "/v1/models", headers=headers, timeout=timeout
+            backend.url + "/v1/models", headers=self._backend_auth(), timeout=timeout
         ) as resp:
             body = await resp.read()
         try:
@@ -233,11 +249,11 @@ class Gateway:
         attempts = self.config.max_attempts
         for backend in backends_to_try(self.policy, self.backends, attempts, key, model):
             num_tried += 1
-            backend.num_in_flight += 1
+            backend.start_request()
             try:
                 answer = await self._attempt(request, backend, body, headers)
             finally:
-                backend.num_in_flight -= 1
+                backend.end_request()
             if not isinstance(answer, Refused):
                 backend.duration.observe(time.perf_counter() - start)
                 return answer
@@ -356,7 +372,8 @@ class Gateway:
     async def list_backends(self, request: web.Request) -> web.Response:
         return json_response({"policy": self.policy.name, "backends": [
             {"url": b.url, "healthy": b.is_healthy, "draining": b.is_draining,
-             "in_flight": b.num_in_flight, "responses": b.num_responses,
+             "in_flight": b.num_in_flight, "reported_in_flight": b.reported_in_flight,
+             "responses": b.num_responses,
              "models": sorted(b.models) if b.models is not None else None,
              "retries": b.num_retries, "last_error": b.last_error}
             for b in self.all_backends
