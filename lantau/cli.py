@@ -317,7 +317,7 @@ def route(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout, drain_timeout_s=args.drain_timeout,
         max_body_bytes=args.max_body_bytes, session_header=args.session_header,
         admin_key=args.admin_key, backend_api_key=args.backend_api_key,
-        backend_dns=tuple(args.backend_dns),
+        backend_dns=tuple(args.backend_dns), grpc_backend_dns=tuple(args.grpc_backend_dns),
     )  # fmt: skip
     if config.policy not in POLICIES:
         print(f"lantau route: unknown --policy {config.policy}", file=sys.stderr)
@@ -496,6 +496,8 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="a replica's KServe v2 gRPC port (repeat for each; needs --grpc-port)",
     )
+    p.add_argument("--grpc-backend-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="a DNS name whose addresses are replicas' gRPC ports")  # fmt: skip
     p.add_argument(
         "--grpc-port",
         type=int,

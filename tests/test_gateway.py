@@ -695,3 +695,18 @@ def test_grpc_stream_replayed_to_the_next_replica():
         assert sum(by_url[f"grpc://{dead.address}"]["retries"].values()) >= 1
         assert by_url[f"grpc://{alive.address}"]["responses"]["OK"] >= 2  # both streams
         channel.close()
+
+
+def test_grpc_replicas_found_by_dns():
+    import grpc
+
+    with FakeGrpcReplica() as replica:
+        port = int(replica.address.rsplit(":", 1)[1])
+        config = dict(grpc_backend_dns=(f"localhost:{port}",), grpc_port=0)
+        with gateway(**config) as g:
+            found = {b.url: b.is_healthy for b in g.gateway.grpc_backends}
+            assert found[f"grpc://127.0.0.1:{port}"]
+            channel = grpc.insecure_channel(f"127.0.0.1:{g.gateway.bound_grpc_port}")
+            method = "/inference.GRPCInferenceService/ModelInfer"
+            assert channel.unary_unary(method)(b"hello") == b"hello"
+            channel.close()

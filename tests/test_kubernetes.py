@@ -60,6 +60,7 @@ def test_arguments_are_lantaus_own():
     serve, route = parsed_args("lantau-replica"), parsed_args("lantau-gateway")
     assert serve.command == "serve" and serve.model_control_mode == "poll"
     assert route.command == "route" and route.backend_dns and not route.backend
+    assert route.grpc_backend_dns and route.grpc_port
 
 
 def test_probes_and_ports():
@@ -67,15 +68,13 @@ def test_probes_and_ports():
         c = container(name)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         args = parsed_args(name)
-        assert ports["http"] == args.port and args.host == "0.0.0.0"
+        assert ports["http"] == args.port and ports["grpc"] == args.grpc_port
+        assert args.host == "0.0.0.0"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             check = c.get(probe, {}).get("httpGet")
             if check is not None:  # asked without a key: open routes only
                 assert check["path"] in OPEN_PATHS and check["port"] in ports
     replica = container("lantau-replica")
-    assert {p["name"]: p["containerPort"] for p in replica["ports"]}["grpc"] == parsed_args(
-        "lantau-replica"
-    ).grpc_port
     assert replica["resources"]["limits"]["nvidia.com/gpu"] == 1
     # the gateway is not restarted for its replicas being down: its liveness is not /health
     assert "httpGet" not in container("lantau-gateway")["livenessProbe"]
@@ -92,6 +91,10 @@ def test_the_gateway_finds_the_replicas_through_the_headless_service():
     assert service["spec"]["selector"].items() <= replica_labels.items()
     (http,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
     assert http["port"] == int(port) == parsed_args("lantau-replica").port
+    (grpc_entry,) = parsed_args("lantau-gateway").grpc_backend_dns
+    (grpc,) = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    assert grpc_entry == f"{host}:{grpc['port']}" and grpc["targetPort"] == "grpc"
+    assert grpc["port"] == parsed_args("lantau-replica").grpc_port
     front = by_kind_and_name()[("Service", "lantau")]
     assert front["spec"]["selector"]["app.kubernetes.io/name"] == "lantau-gateway"
 

@@ -57,6 +57,7 @@ class GatewayConfig:
     admin_key: str | None = None  # /gateway/backends changes need it; without one they are off
     backend_api_key: str | None = None  # sent with the gateway's own /v1/models reads
     backend_dns: tuple[str, ...] = ()  # NAME:PORT, resolved each health round to backends
+    grpc_backend_dns: tuple[str, ...] = ()  # the same for gRPC ports
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class Gateway:
         self.num_requests = 0  # requests received to pass on (the gateway's own routes aside)
         self.num_failed: dict[str, int] = {}  # requests the gateway answered with an error, by why
         self.model_entries: dict[str, dict[str, dict]] = {}  # backend -> its /v1/models entries
-        self._discovered: dict[str, set[str]] = {}  # --backend-dns entry -> its backends' URLs
+        # (scheme, a --backend-dns / --grpc-backend-dns entry) -> its backends' URLs
+        self._discovered: dict[tuple[str, str], set[str]] = {}
         self._removals: set[asyncio.Task] = set()  # drains of backends gone from the DNS
         self.is_draining = False
         self._session: aiohttp.ClientSession | None = None
@@ -144,28 +146,31 @@ class Gateway:
             await self.check_all()
 
     async def discover(self) -> None:
-        """--backend-dns: each name's addresses now (a Kubernetes headless Service's ready
-        pods); a new one becomes a backend (checked before it takes requests), one gone is
-        drained and removed. A failed lookup changes nothing."""
-        for entry in self.config.backend_dns:
+        """--backend-dns / --grpc-backend-dns: each name's addresses now (a Kubernetes
+        headless Service's ready pods); a new one becomes a backend (checked before it takes
+        requests), one gone is drained and removed. A failed lookup changes nothing."""
+        sources = [(e, "http", self.backends) for e in self.config.backend_dns]
+        sources += [(e, "grpc", self.grpc_backends) for e in self.config.grpc_backend_dns]
+        for entry, scheme, pool in sources:
             host, _, port = entry.rpartition(":")
             try:
                 addresses = await self.resolve(host, int(port))
             except OSError as e:
-                logger.warning("--backend-dns %s: %s", entry, e)
+                logger.warning("%s backends at %s: %s", scheme, entry, e)
                 continue
-            urls = {f"http://{a}:{port}" if ":" not in a else f"http://[{a}]:{port}"
+            urls = {f"{scheme}://{a}:{port}" if ":" not in a else f"{scheme}://[{a}]:{port}"
                     for a in addresses}  # fmt: skip
-            known = self._discovered.setdefault(entry, set())
+            known = self._discovered.setdefault((scheme, entry), set())
             for url in sorted(urls - known):
-                self.backends.append(Backend(url))
+                pool.append(Backend(url))
                 logger.info("backend %s found (%s)", url, entry)
             for url in known - urls:
-                backend = next((b for b in self.backends if b.url == url), None)
+                backend = next((b for b in pool if b.url == url), None)
                 if backend is not None and not backend.is_draining:
-                    self._removals.add(asyncio.create_task(self.drain_and_remove(backend)))
+                    removal = self.drain_and_remove(backend, pool)
+                    self._removals.add(asyncio.create_task(removal))
             self._removals = {t for t in self._removals if not t.done()}
-            self._discovered[entry] = urls
+            self._discovered[(scheme, entry)] = urls
 
     async def resolve(self, host: str, port: int) -> set[str]:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -407,14 +412,14 @@ class Gateway:
         await self.drain_and_remove(backend)
         return json_response({"url": url, "in_flight": backend.num_in_flight})
 
-    async def drain_and_remove(self, backend: Backend) -> None:
+    async def drain_and_remove(self, backend: Backend, pool: list[Backend] | None = None) -> None:
         """No new requests for the backend; forgotten once its requests in flight ended (or
         drain_timeout_s passed)."""
         backend.is_draining = True
         deadline = time.monotonic() + self.config.drain_timeout_s
         while backend.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self.backends.remove(backend)
+        (self.backends if pool is None else pool).remove(backend)
         self.model_entries.pop(backend.url, None)
         logger.info("backend %s removed (%d requests open)", backend.url, backend.num_in_flight)
 
@@ -524,16 +529,17 @@ def build_app(config: GatewayConfig) -> web.Application:
 def run(config: GatewayConfig) -> None:
     """Serves until SIGTERM / SIGINT, then drains: the listener closes, requests in flight get
     up to drain_timeout_s to end."""
-    if not (config.backends or config.grpc_backends or config.backend_dns):
+    grpc_sources = config.grpc_backends + config.grpc_backend_dns
+    if not (config.backends or config.backend_dns or grpc_sources):
         raise ValueError(
             "lantau route needs a --backend URL, a --backend-dns NAME:PORT or a --grpc-backend"
         )
-    for entry in config.backend_dns:
+    for entry in config.backend_dns + config.grpc_backend_dns:
         host, _, port = entry.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"--backend-dns is NAME:PORT, got {entry!r}")
-    if bool(config.grpc_backends) != (config.grpc_port is not None):
-        raise ValueError("--grpc-backend and --grpc-port go together")
+            raise ValueError(f"a --*backend-dns is NAME:PORT, got {entry!r}")
+    if bool(grpc_sources) != (config.grpc_port is not None):
+        raise ValueError("--grpc-backend (or --grpc-backend-dns) and --grpc-port go together")
     for url in config.backends:
         normalize_url(url)
     for address in config.grpc_backends:
@@ -542,7 +548,7 @@ def run(config: GatewayConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logger.info(
         "routing to %s (%s) on http://%s:%d",
-        ", ".join(config.backends + config.backend_dns + config.grpc_backends), config.policy,
+        ", ".join(config.backends + config.backend_dns + grpc_sources), config.policy,
         config.host,
         config.port,
     )  # fmt: skip
