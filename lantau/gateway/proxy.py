@@ -198,30 +198,27 @@ class Gateway:
     async def _read_load(self, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
         """A `lantau serve`'s own count of its requests in flight (/status), which other
         gateways' and direct clients' requests are part of; None where it has none."""
-        async with self._session.get(
-            backend.url + "/status", headers=self._backend_auth(), timeout=timeout
-        ) as resp:
-            body = await resp.read()
-        try:
-            num = orjson.loads(body)["num_in_flight"] if resp.status == 200 else None
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            num = None
+        status = await self._get_json(backend, "/status", timeout)
+        num = status.get("num_in_flight") if isinstance(status, dict) else None
         backend.report_in_flight(num if isinstance(num, int) else None)
 
-    def _backend_auth(self) -> dict[str, str]:
+    async def _get_json(self, backend: Backend, path: str, timeout: aiohttp.ClientTimeout):
+        """A replica's JSON answer to GET path (with --backend-api-key), or None."""
         key = self.config.backend_api_key
-        return {"authorization": f"Bearer {key}"} if key else {}
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        async with self._session.get(backend.url + path, headers=headers, timeout=timeout) as r:
+            body = await r.read()
+        try:
+            return orjson.loads(body) if r.status == 200 else None
+        except orjson.JSONDecodeError:
+            return None
 
     async def _read_models(self, backend: Backend, timeout: aiohttp.ClientTimeout) -> None:
         """The backend's /v1/models: what it serves now (a repository loads and unloads)."""
-        async with self._session.get(
-            backend.url + "/v1/models", headers=self._backend_auth(), timeout=timeout
-        ) as resp:
-            body = await resp.read()
+        listed = await self._get_json(backend, "/v1/models", timeout)
         try:
-            entries = orjson.loads(body)["data"] if resp.status == 200 else None
-            models = {e["id"]: e for e in entries} if entries is not None else None
-        except (orjson.JSONDecodeError, KeyError, TypeError):
+            models = {e["id"]: e for e in listed["data"]} if listed is not None else None
+        except (KeyError, TypeError):
             models = None
         backend.models = frozenset(models) if models is not None else None
         self.model_entries[backend.url] = models or {}
