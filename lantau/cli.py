@@ -307,26 +307,22 @@ def rollback(args: argparse.Namespace) -> int:
 
 def route(args: argparse.Namespace) -> int:
     """The gateway: lantau/gateway/proxy.py in front of the --backend replicas."""
-    from lantau.gateway.policy import POLICIES
     from lantau.gateway.proxy import GatewayConfig, run
 
-    config = GatewayConfig(
-        backends=tuple(args.backend), grpc_backends=tuple(args.grpc_backend),
-        grpc_port=args.grpc_port, host=args.host, port=args.port, policy=args.policy,
-        health_interval_s=args.health_interval, max_attempts=args.max_attempts,
-        connect_timeout_s=args.connect_timeout, drain_timeout_s=args.drain_timeout,
-        max_body_bytes=args.max_body_bytes, session_header=args.session_header,
-        admin_key=args.admin_key, backend_api_key=args.backend_api_key,
-        backend_dns=tuple(args.backend_dns), grpc_backend_dns=tuple(args.grpc_backend_dns),
-    )  # fmt: skip
-    if config.policy not in POLICIES:
-        print(f"lantau route: unknown --policy {config.policy}", file=sys.stderr)
-        return 2
     try:
-        run(config)
+        config = GatewayConfig(
+            backends=tuple(args.backend), grpc_backends=tuple(args.grpc_backend),
+            grpc_port=args.grpc_port, host=args.host, port=args.port, policy=args.policy,
+            health_interval_s=args.health_interval, max_attempts=args.max_attempts,
+            connect_timeout_s=args.connect_timeout, drain_timeout_s=args.drain_timeout,
+            max_body_bytes=args.max_body_bytes, session_header=args.session_header,
+            admin_key=args.admin_key, backend_api_key=args.backend_api_key,
+            backend_dns=tuple(args.backend_dns), grpc_backend_dns=tuple(args.grpc_backend_dns),
+        )  # fmt: skip
     except ValueError as e:
         print(f"lantau route: {e}", file=sys.stderr)
         return 2
+    run(config)
     return 0
 
 

@@ -59,6 +59,25 @@ class GatewayConfig:
     backend_dns: tuple[str, ...] = ()  # NAME:PORT, resolved each health round to backends
     grpc_backend_dns: tuple[str, ...] = ()  # the same for gRPC ports
 
+    def __post_init__(self) -> None:
+        """What could not serve is refused here, at the edge, before any port opens."""
+        grpc_sources = self.grpc_backends + self.grpc_backend_dns
+        if not (self.backends or self.backend_dns or grpc_sources):
+            raise ValueError(
+                "lantau route needs a --backend URL, a --backend-dns NAME:PORT or a --grpc-backend"
+            )
+        for entry in self.backend_dns + self.grpc_backend_dns:
+            host, _, port = entry.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"a --*backend-dns is NAME:PORT, got {entry!r}")
+        if bool(grpc_sources) != (self.grpc_port is not None):
+            raise ValueError("--grpc-backend (or --grpc-backend-dns) and --grpc-port go together")
+        for url in self.backends:
+            normalize_url(url)
+        for address in self.grpc_backends:
+            grpc_backend(address)
+        make_policy(self.policy)  # an unknown name
+
 
 @dataclass(frozen=True)
 class Refused:
@@ -526,28 +545,11 @@ def build_app(config: GatewayConfig) -> web.Application:
 def run(config: GatewayConfig) -> None:
     """Serves until SIGTERM / SIGINT, then drains: the listener closes, requests in flight get
     up to drain_timeout_s to end."""
-    grpc_sources = config.grpc_backends + config.grpc_backend_dns
-    if not (config.backends or config.backend_dns or grpc_sources):
-        raise ValueError(
-            "lantau route needs a --backend URL, a --backend-dns NAME:PORT or a --grpc-backend"
-        )
-    for entry in config.backend_dns + config.grpc_backend_dns:
-        host, _, port = entry.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"a --*backend-dns is NAME:PORT, got {entry!r}")
-    if bool(grpc_sources) != (config.grpc_port is not None):
-        raise ValueError("--grpc-backend (or --grpc-backend-dns) and --grpc-port go together")
-    for url in config.backends:
-        normalize_url(url)
-    for address in config.grpc_backends:
-        grpc_backend(address)
-    make_policy(config.policy)  # an unknown name fails here, before the port opens
+    sources = config.backends + config.backend_dns + config.grpc_backends + config.grpc_backend_dns
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logger.info(
         "routing to %s (%s) on http://%s:%d",
-        ", ".join(config.backends + config.backend_dns + grpc_sources), config.policy,
-        config.host,
-        config.port,
+        ", ".join(sources), config.policy, config.host, config.port,
     )  # fmt: skip
     web.run_app(
         build_app(config), host=config.host, port=config.port, print=None,
