@@ -80,7 +80,7 @@ class GrpcRelay(grpc.GenericRpcHandler):
         return backends_to_try(self.gateway.policy, self.backends, self.gateway.config.max_attempts)
 
     def _refused(self, backend: Backend, e: grpc.aio.AioRpcError) -> None:
-        backend.count_retry(e.code().name.lower())
+        backend.num_retries[e.code().name.lower()] += 1
         if e.code() is grpc.StatusCode.UNAVAILABLE:
             self.gateway.mark(backend, False, f"{e.code().name}: {e.details()}")
 
@@ -94,10 +94,10 @@ class GrpcRelay(grpc.GenericRpcHandler):
                 reply = await self.channel(backend).unary_unary(method)(
                     request, metadata=metadata, timeout=context.time_remaining()
                 )
-                backend.count_response("OK")
+                backend.num_responses["OK"] += 1
                 return reply
             except grpc.aio.AioRpcError as e:
-                backend.count_response(e.code().name)
+                backend.num_responses[e.code().name] += 1
                 if e.code() not in _RETRIED:
                     await context.abort(e.code(), e.details())
                 self._refused(backend, e)
@@ -124,17 +124,16 @@ class GrpcRelay(grpc.GenericRpcHandler):
                     async for response in call:
                         num_relayed += 1
                         yield response
-                    backend.count_response("OK")
+                    backend.num_responses["OK"] += 1
                     return
                 except grpc.aio.AioRpcError as e:
-                    backend.count_response(e.code().name)
+                    backend.num_responses[e.code().name] += 1
+                    if num_relayed and e.code() is grpc.StatusCode.UNAVAILABLE:  # cut
+                        self.gateway.num_failed["stream_cut"] += 1
+                        self.gateway.mark(backend, False, e.details())
+                        message = f"the replica serving this stream failed: {e.details()}"
+                        await context.abort(e.code(), message)
                     if num_relayed or e.code() not in _STREAM_RETRIED:
-                        if num_relayed and e.code() is grpc.StatusCode.UNAVAILABLE:
-                            self._count_failed("stream_cut")
-                            self.gateway.mark(backend, False, e.details())
-                            await context.abort(
-                                e.code(), f"the replica serving this stream failed: {e.details()}"
-                            )
                         await context.abort(e.code(), e.details())
                     self._refused(backend, e)
                     last = e
@@ -147,14 +146,10 @@ class GrpcRelay(grpc.GenericRpcHandler):
 
     async def _give_up(self, context, last: grpc.aio.AioRpcError | None) -> None:
         if last is None:
-            self._count_failed("no_backend")
+            self.gateway.num_failed["no_backend"] += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy backend to route to")
-        self._count_failed(last.code().name.lower())
+        self.gateway.num_failed[last.code().name.lower()] += 1
         await context.abort(last.code(), last.details())
-
-    def _count_failed(self, reason: str) -> None:
-        failed = self.gateway.num_failed
-        failed[reason] = failed.get(reason, 0) + 1
 
 
 class ClientRequests:

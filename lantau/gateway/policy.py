@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -27,9 +28,9 @@ class Backend:
     # (no such route, or it needs a key the gateway lacks), so it is tried for any model
     models: frozenset[str] | None = None
     # what it answered (HTTP status as text) and why requests left it for another replica
-    num_responses: dict[str, int] = field(default_factory=dict)
-    num_retries: dict[str, int] = field(default_factory=dict)
-    num_transitions: dict[str, int] = field(default_factory=dict)  # to "up" / "down"
+    num_responses: Counter[str] = field(default_factory=Counter)
+    num_retries: Counter[str] = field(default_factory=Counter)
+    num_transitions: Counter[str] = field(default_factory=Counter)  # to "up" / "down"
     # a request's time through the gateway to its response's end, answered by this backend
     duration: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS["e2e"]))
     last_error: str = ""  # why it was last marked down
@@ -69,16 +70,8 @@ class Backend:
         if is_healthy == self.is_healthy:
             return False
         self.is_healthy = is_healthy
-        to = "up" if is_healthy else "down"
-        self.num_transitions[to] = self.num_transitions.get(to, 0) + 1
+        self.num_transitions["up" if is_healthy else "down"] += 1
         return True
-
-    def count_response(self, status: int) -> None:
-        key = str(status)
-        self.num_responses[key] = self.num_responses.get(key, 0) + 1
-
-    def count_retry(self, reason: str) -> None:
-        self.num_retries[reason] = self.num_retries.get(reason, 0) + 1
 
 
 class RoundRobin:

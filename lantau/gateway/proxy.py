@@ -19,6 +19,7 @@ import logging
 import socket
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 import aiohttp
@@ -97,7 +98,7 @@ class Gateway:
         self.grpc_backends = [grpc_backend(a) for a in config.grpc_backends]
         self.policy = make_policy(config.policy)
         self.num_requests = 0  # requests received to pass on (the gateway's own routes aside)
-        self.num_failed: dict[str, int] = {}  # requests the gateway answered with an error, by why
+        self.num_failed: Counter[str] = Counter()  # requests the gateway answered itself, by why
         self.model_entries: dict[str, dict[str, dict]] = {}  # backend -> its /v1/models entries
         # (scheme, a --backend-dns / --grpc-backend-dns entry) -> its backends' URLs
         self._discovered: dict[tuple[str, str], set[str]] = {}
@@ -208,8 +209,9 @@ class Gateway:
                 await resp.read()
                 is_healthy = resp.status == 200
             if is_healthy:
-                await self._read_models(backend, timeout)
-                await self._read_load(backend, timeout)
+                await asyncio.gather(
+                    self._read_models(backend, timeout), self._read_load(backend, timeout)
+                )
             self.mark(backend, is_healthy, f"health check: HTTP {resp.status}")
         except (aiohttp.ClientError, TimeoutError) as e:
             self.mark(backend, False, f"health check: {_describe(e)}")
@@ -278,13 +280,13 @@ class Gateway:
             if not isinstance(answer, Refused):
                 backend.duration.observe(time.perf_counter() - start)
                 return answer
-            backend.count_retry(answer.reason)
+            backend.num_retries[answer.reason] += 1
             if refused is None or answer.status in _RETRIED_STATUSES:
                 refused = answer  # a replica's own 429 / 503 says more than a broken connection
         if refused is None:
             return self.fail("no_backend", 503, "no healthy backend to route the request to")
         if refused.status in _RETRIED_STATUSES:  # every replica tried was busy or not ready
-            self.num_failed[refused.reason] = self.num_failed.get(refused.reason, 0) + 1
+            self.num_failed[refused.reason] += 1
             return web.Response(status=refused.status, body=refused.body, headers=refused.headers)
         message = f"no backend answered ({num_tried} tried; the last: {refused.reason})"
         return self.fail("all_attempts_failed", 502, message)
@@ -298,7 +300,7 @@ class Gateway:
             async with self._session.request(
                 request.method, url, data=body, headers=headers, timeout=timeout
             ) as resp:
-                backend.count_response(resp.status)
+                backend.num_responses[str(resp.status)] += 1
                 if resp.status in _RETRIED_STATUSES:
                     if resp.status == 503:  # starting, draining or unloading: not for new work
                         self.mark(backend, False, "HTTP 503")
@@ -347,7 +349,7 @@ class Gateway:
             tail = chunk
 
     async def _end_cut_stream(self, out: web.StreamResponse, tail: bytes, backend: Backend):
-        self.num_failed["stream_cut"] = self.num_failed.get("stream_cut", 0) + 1
+        self.num_failed["stream_cut"] += 1
         message = f"the replica serving this stream failed ({backend.last_error})"
         error = {"error": {"message": message, "type": "server_error", "code": 502}}
         # NOTE: an event cut in the middle is ended first, so the error is an event of its own
@@ -374,7 +376,7 @@ class Gateway:
         return json_response({"object": "list", "data": list(merged.values())})
 
     def fail(self, reason: str, status: int, message: str) -> web.Response:
-        self.num_failed[reason] = self.num_failed.get(reason, 0) + 1
+        self.num_failed[reason] += 1
         return error_response(status, message)
 
     # --- the gateway's own routes ------------------------------------------------------------
