@@ -16,6 +16,42 @@ from dataclasses import dataclass
 from aiohttp import web
 
 
+class AppThread:
+    """An aiohttp app on loopback, served by a thread and an event loop of its own; the app is
+    made by make_app() in that loop, its runner takes runner_kwargs (AppRunner's)."""
+
+    def __init__(self, make_app: Callable[[], web.Application], **runner_kwargs) -> None:
+        self._make_app = make_app
+        self._runner_kwargs = runner_kwargs
+
+    def __enter__(self) -> AppThread:
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
+        self._thread.start()
+        assert ready.wait(10), f"{type(self).__name__} did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _serve(self, ready: threading.Event) -> None:
+        self._loop = asyncio.new_event_loop()
+        self.app = self._make_app()
+        self._runner = web.AppRunner(self.app, **self._runner_kwargs)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        ready.set()
+        self._loop.run_forever()
+
+
 @dataclass(frozen=True)
 class Script:
     status: int = 200  # anything else: an OpenAI-shaped error body, no stream
@@ -31,11 +67,12 @@ def is_probe(body: dict) -> bool:
     return body.get("max_tokens") == 2
 
 
-class FakeOpenAIServer:
+class FakeOpenAIServer(AppThread):
     def __init__(
         self, script: Callable[[dict], Script], with_metrics: bool = False,
         model_names: tuple[str, ...] = ("fake-model",),
     ) -> None:  # fmt: skip
+        super().__init__(self._app)
         self.script = script
         self.model_names = model_names  # what /v1/models lists
         self.with_metrics = with_metrics
@@ -50,24 +87,7 @@ class FakeOpenAIServer:
         self.health_status = 200  # what GET /health answers (a gateway's checks read it)
         self.reported_in_flight: int | None = None  # GET /status's num_in_flight (None: 404)
 
-    def __enter__(self) -> FakeOpenAIServer:
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
-        self._thread.start()
-        assert ready.wait(10), "the fake server did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _serve(self, ready: threading.Event) -> None:
-        self._loop = asyncio.new_event_loop()
+    def _app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -75,13 +95,7 @@ class FakeOpenAIServer:
         app.router.add_get("/status", self._status)
         if self.with_metrics:
             app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        ready.set()
-        self._loop.run_forever()
+        return app
 
     async def _models(self, request: web.Request) -> web.Response:
         data = [{"id": name, "object": "model"} for name in self.model_names]

@@ -5,7 +5,6 @@ them killed under load."""
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import os
 import signal
@@ -19,7 +18,6 @@ import httpx
 import openai
 import orjson
 import pytest
-from aiohttp import web
 
 from lantau.bench.monitor import parse_prometheus
 from lantau.gateway.policy import (
@@ -32,7 +30,7 @@ from lantau.gateway.policy import (
     make_policy,
 )
 from lantau.gateway.proxy import GATEWAY, GatewayConfig, build_app
-from tests.fake_openai_server import FakeOpenAIServer, Script
+from tests.fake_openai_server import AppThread, FakeOpenAIServer, Script
 from tests.test_openai_server import free_port, wait_ready
 
 # --- the policies ---------------------------------------------------------------------------
@@ -125,36 +123,18 @@ def test_health_transitions_are_counted():
 # --- the proxy in front of fake replicas ----------------------------------------------------
 
 
-class GatewayThread:
+class GatewayThread(AppThread):
     """build_app(config) served on loopback by a thread of its own (as `lantau route` serves
     it: no request decompression, handlers cancelled when their client goes)."""
 
     def __init__(self, config: GatewayConfig) -> None:
-        self.config = config
+        super().__init__(
+            lambda: build_app(config), auto_decompress=False, handler_cancellation=True
+        )
 
-    def __enter__(self) -> GatewayThread:
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
-        self._thread.start()
-        assert ready.wait(10), "the gateway did not start"
-        return self
-
-    def _serve(self, ready: threading.Event) -> None:
-        self._loop = asyncio.new_event_loop()
-        self.app = build_app(self.config)
-        self.gateway = self.app[GATEWAY]
-        self._runner = web.AppRunner(self.app, auto_decompress=False, handler_cancellation=True)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        ready.set()
-        self._loop.run_forever()
-
-    def __exit__(self, *exc) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+    @property
+    def gateway(self):
+        return self.app[GATEWAY]
 
     def metrics(self) -> dict[str, float]:
         return parse_prometheus(httpx.get(f"{self.url}/metrics").text)
