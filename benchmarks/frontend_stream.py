@@ -244,17 +244,22 @@ async def run_load(result: LoadResult, port: int, num_requests: int, server_pid:
 
 def start_server(kind: str, port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--port", str(port)])
+    return wait_healthy(proc, port, f"{kind} server")
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, what: str) -> subprocess.Popen:
+    """`proc` once its GET /health on `port` answers 200 (killed if not within a minute)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{kind} server exited with {proc.returncode}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
         except httpx.HTTPError:
             time.sleep(0.2)
     proc.kill()
-    raise TimeoutError(f"{kind} server did not start")
+    raise TimeoutError(f"{what} did not start")
 
 
 def measure(args: argparse.Namespace) -> dict[tuple[str, int], LoadResult]:

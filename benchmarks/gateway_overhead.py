@@ -25,10 +25,8 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import uvloop
 from frontend_stream import (
     CLIENT_CORE,
@@ -39,6 +37,7 @@ from frontend_stream import (
     process_cpu_s,
     run_load,
     start_server,
+    wait_healthy,
 )
 
 
@@ -51,18 +50,7 @@ def start_gateway(backend_port: int, port: int) -> subprocess.Popen:
         cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         preexec_fn=lambda: os.sched_setaffinity(0, {SERVER_CORE}),
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"lantau route exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("lantau route did not start")
+    return wait_healthy(proc, port, "lantau route")
 
 
 def measure(args: argparse.Namespace) -> dict[tuple[str, str], tuple[LoadResult, float]]:
