@@ -1,0 +1,131 @@
+"""Where an fp8 engine's device time goes, by kernel: W3-fp8-128 (llama3-8b) and W4-128
+(llama3-70b) waves under torch.profiler, eager (the kernels a CUDA graph replays, each seen).
+
+For each model: one wave of `--rows` prompts of 128 tokens, first prefill only (max_tokens 1),
+then prefill and 128 decode steps; each phase's kernels grouped by name (device ms, share),
+by family (fp8 GEMM, activation quantization, attention, the rest), the wave's wall time and
+its implied tok/s against the same-run ceilings (fp8 matmul TFLOP/s, copy TB/s).
+
+    PYTHONPATH=. python3 benchmarks/fp8_kernel_profile.py [--models 8b,70b] [--rows 384,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lantau import LLM, SamplingParams
+from lantau.bench.offline import measure_ceilings
+from lantau.bench.workloads import make_workload
+
+OUT = os.environ.get("OUT", ".")
+FAMILIES = [
+    ("fp8 gemm", re.compile(r"scaled_mm|f8|fp8.*gemm|e4m3|sm90_xmma_gemm.*f8|cutlass.*f8", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|matmul", re.I)),
+    ("quant", re.compile(r"quant", re.I)),
+    ("attention", re.compile(r"attn|attention|paged", re.I)),
+    ("norm/rope/act", re.compile(r"norm|rope|rotary|silu|act", re.I)),
+]
+
+
+def family(name: str) -> str:
+    return next((fam for fam, pat in FAMILIES if pat.search(name)), "other")
+
+
+def profiled(llm, prompts, max_tokens: int) -> dict:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+    )
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(batch[:8], params)  # warm
+    llm.reset_prefix_cache()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(batch, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    llm.reset_prefix_cache()
+    kernels: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", 0)
+        if us > 0:
+            kernels[evt.key] += us / 1e3
+            counts[evt.key] += evt.count
+    busy = sum(kernels.values())
+    fams: dict[str, float] = defaultdict(float)
+    for name, ms in kernels.items():
+        fams[family(name)] += ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "wall_ms": wall * 1e3,
+        "device_busy_ms": busy,
+        "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+        "top": [(name[:110], round(ms, 2), counts[name]) for name, ms in top],
+    }
+
+
+def run_model(name: str, rows: int, table: list, results: dict) -> None:
+    model = {"8b": "random:llama3-8b", "70b": "random:llama3-70b"}[name]
+    t = time.perf_counter()
+    llm = LLM(
+        model, dtype="fp8", kv_cache_dtype="fp8", max_model_len=2048, max_num_seqs=rows,
+        max_num_batched_tokens=65536 if name == "8b" else 16384, enforce_eager=True,
+    )  # fmt: skip
+    print(f"{model} fp8 eager up in {time.perf_counter() - t:.1f} s", flush=True)
+    vocab = llm.config.model_config.vocab_size
+    prompts = make_workload("W3-128", vocab, rows).prompts
+    n_params = sum(p.numel() for p in llm.engine.core.runner.model.parameters())
+    res = results[name] = {"rows": rows, "params": n_params}
+    for phase, max_tokens in (("prefill", 1), ("wave", 128)):
+        r = res[phase] = profiled(llm, prompts, max_tokens)
+        tokens = rows * (128 + max_tokens)
+        tflop = 2 * n_params * tokens / 1e12
+        r["matmul_tflop_s_of_wall"] = tflop / r["wall_ms"] * 1e3
+        print(name, phase, json.dumps(r, indent=1), flush=True)
+        fams = ", ".join(f"{k} {v:.0f}" for k, v in list(r["families_ms"].items())[:5])
+        table.append(
+            (
+                f"{name} {phase} x{rows}",
+                f"wall {r['wall_ms']:.0f} ms, busy {r['device_busy_ms']:.0f}",
+                f"{r['matmul_tflop_s_of_wall']:.0f} TFLOP/s of wall; {fams}",
+            )
+        )
+    wave = res["wave"]["wall_ms"] - res["prefill"]["wall_ms"]
+    table.append((f"{name} decode x{rows} (wave - prefill)", f"{wave / 127:.2f} ms/step", ""))
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="8b,70b")
+    p.add_argument("--rows", default="384,128", help="max_num_seqs and wave size, per model")
+    args = p.parse_args()
+    table: list[tuple[str, str, str]] = []
+    results: dict = {"ceilings": measure_ceilings(torch.device("cuda"))}
+    table.append(("ceilings", json.dumps(results["ceilings"]), ""))
+    for name, rows in zip(args.models.split(","), args.rows.split(","), strict=True):
+        try:
+            run_model(name, int(rows), table, results)
+        except Exception as e:  # the next model still runs
+            table.append((name, "FAILED", f"{type(e).__name__}: {str(e)[:90]}"))
+    with open(os.path.join(OUT, "fp8_kernel_profile.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print("\n| what | figure | detail |\n| --- | --- | --- |")
+    for row in table:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
