@@ -1,6 +1,6 @@
-"""An engine folder's weights load on a thread while the engine core sizes its KV cache (and
-on CUDA captures its graphs): the served engine reports the stages in that order, the wait for
-the load within the load's own time."""
+"""An engine folder's weights load on a thread once the engine core has sized its KV cache,
+while it captures its CUDA graphs: the served engine reports the stages in that order, the wait
+for the load within the load's own time."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_served_engine_reports_the_background_load(engine_folder):
 
     stages, took = asyncio.run(run())
     assert 0 <= stages["engine_core"] <= took
-    # the core's stages first: the model built, its weights loading beside the KV-cache
-    # sizing (and on CUDA the graphs), then the wait for them
-    assert list(stages)[:2] == ["engine_core", "model"]
+    # the core's stages: the model built, the KV cache sized, its weights loading (beside the
+    # graphs on CUDA), then the wait for them
+    assert list(stages)[:3] == ["engine_core", "model", "kv_profile"]
     assert stages["weights"] >= 0 and stages["weights_wait"] <= stages["weights"]

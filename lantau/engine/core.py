@@ -39,8 +39,10 @@ class EngineCore:
         # seconds of each start-up stage, in order (the server reports them)
         self.startup_s: dict[str, float] = {}
         clock = time.perf_counter()
-        # an engine folder's weights load on a thread while the KV cache is sized and the
-        # CUDA graphs captured: neither depends on the weights' values
+        # an engine folder's weights load on a thread while the CUDA graphs are captured,
+        # which do not depend on the weights' values; the KV cache is sized before the load
+        # starts: that first forward pass pages in the CUDA libraries and kernels, which from
+        # a cold disk would wait behind the weights' reads
         background = source.kind == "engine"
         model = build_model(
             source,
@@ -53,11 +55,11 @@ class EngineCore:
             kernels=config.kernels,
             load=not background,
         )
-        pending = load_in_background(model, source) if background else None
-        self.startup_s["model" if pending else "weights"] = time.perf_counter() - clock
+        self.startup_s["model" if background else "weights"] = time.perf_counter() - clock
         clock = time.perf_counter()
         num_blocks = config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
         self.startup_s["kv_profile"] = time.perf_counter() - clock
+        pending = load_in_background(model, source) if background else None
         needed = cdiv(config.scheduler.max_model_len, config.cache.block_size)
         if num_blocks < needed:
             raise ValueError(
