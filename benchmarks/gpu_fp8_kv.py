@@ -7,6 +7,7 @@ capacity, greedy tokens against auto's).
 Prints a short table last and writes everything as JSON to $OUT/gpu_fp8_kv.json.
 
     PYTHONPATH=. python3 benchmarks/gpu_fp8_kv.py [--w3-prompts 256] [--skip engines]
+        [--decode-sizes 384x192,256x2048] [--fp8-tiles '128,4,1;64,4,1']
 
 Each stage runs on its own: a failure is reported and the next stage still runs. The engines
 take token-id prompts and detokenize nothing: no tokenizer (or `.gl`) needed.
@@ -298,8 +299,17 @@ def main() -> None:
         default="1x32768,8x8192,32x4096,64x16384,128x2048,256x2048",
         help="decode-timing batch x context sizes",
     )
+    parser.add_argument(
+        "--fp8-tiles",
+        default="",
+        help="the fp8 tiles tried, BLOCK_N,num_warps,num_stages each, ';'-separated "
+        "(default: FP8_TILES)",
+    )
     parser.add_argument("--skip", default="", help="comma-separated: kernels, decode, engines")
     args = parser.parse_args()
+    global FP8_TILES
+    if args.fp8_tiles:
+        FP8_TILES = tuple(tuple(int(x) for x in t.split(",")) for t in args.fp8_tiles.split(";"))
     skip = set(args.skip.split(","))
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     if "kernels" not in skip:

@@ -246,25 +246,35 @@ _SM90_KERNELS = {
              ROPE=True),
     ),
 }  # fmt: skip
+# a large decode batch's launch: no rope, one split
+_SM90_KERNELS["decode_attention._paged_decode_split_kernel#large"] = (
+    _SM90_KERNELS["decode_attention._paged_decode_split_kernel"][0],
+    {**_SM90_KERNELS["decode_attention._paged_decode_split_kernel"][1], "ROPE": False,
+     "USE_SCRATCH": False, "MERGE_SPLITS": 1},
+)  # fmt: skip
 _COMPILE_SM90 = """
 import importlib, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 for name, (types, constexprs) in KERNELS.items():
-    module, fn_name = name.split(".")
+    module, fn_name = name.split("#")[0].split(".")
     fn = getattr(importlib.import_module("lantau.kernels." + module), fn_name)
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     values = {(i,): constexprs[n] for i, n in enumerate(fn.arg_names) if n in constexprs}
     kernel = triton.compile(ASTSource(fn, signature, values), target=GPUTarget("cuda", 90, 32))
-    print(name, "cubin" in kernel.asm, "cvt.rn.satfinite.e4m3x2" in kernel.asm["ptx"])
+    ptx = kernel.asm["ptx"]
+    print(name, "cubin" in kernel.asm, "cvt.rn.satfinite.e4m3x2" in ptx,
+          "cvt.rn.f16x2.e4m3x2" in ptx, "cvt.bf16.f16" in ptx)
 """
 
 
 def test_fp8_kernels_compile_for_hopper():
     """The fp8 paths (the cache-dtype branch, the saturating fp32 -> e4m3 stores, e4m3 tiles
-    converted to bf16) compile to sm90 PTX and cubin with Triton's own ptxas, no GPU needed:
-    what catches a construct the interpreter runs but the compiler rejects. Writers store
-    with cvt.rn.satfinite (round to nearest even, saturated)."""
+    converted for the dots) compile to sm90 PTX and cubin with Triton's own ptxas, no GPU
+    needed: what catches a construct the interpreter runs but the compiler rejects. Writers
+    store with cvt.rn.satfinite (round to nearest even, saturated); readers convert e4m3 pairs
+    to fp16 in one instruction and, with a bf16 query, never on to bf16 (cvt.bf16.f16, which
+    held the fp8 decode at half the copy rate), but for rope's first tile."""
     import subprocess
     import sys
 
@@ -272,10 +282,12 @@ def test_fp8_kernels_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:3] == [
-        "rotary._rotary_write_kv_kernel True True",
-        "unified_attention._unified_attention_kernel True False",  # reads only
-        "decode_attention._paged_decode_split_kernel True True",  # rope: writes too
+    assert done.stdout.split("\n")[:4] == [
+        "rotary._rotary_write_kv_kernel True True False False",
+        "unified_attention._unified_attention_kernel True False True False",  # reads only
+        # rope: writes too, and its first tile goes e4m3 -> bf16 -> fp16
+        "decode_attention._paged_decode_split_kernel True True True True",
+        "decode_attention._paged_decode_split_kernel#large True False True False",
     ]
 
 

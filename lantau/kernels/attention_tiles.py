@@ -8,8 +8,10 @@ tile (BLOCK_N tokens) need not match the cache block size.
 
 An fp8 cache (float8_e4m3fn) holds keys / k_scale and values / v_scale (one scale each a
 layer: reference.quantize_kv_ref). A tile is loaded as fp8 and converted to the query's dtype
-for the dots (exact: every e4m3 value is a bf16 or fp16 one); the scales cost nothing in the
-loop: k_scale is folded into the scores' scale, v_scale applied to the normalised output.
+for the dots (exact: every e4m3 value is a bf16 or fp16 one), a bf16 query first going to fp16
+(`dot_operand`: e4m3 -> fp16 is one instruction a pair, e4m3 -> bf16 several, which held the
+fp8 decode under the copy rate); the scales cost nothing in the loop: k_scale is folded into
+the scores' scale, v_scale applied to the normalised output.
 
 Both kernels run the step (fp32, exp2 domain, scores scaled by scale * log2(e)) twice over a
 context: first the whole tiles every row sees, without a score mask, then the tiles at the
@@ -72,6 +74,16 @@ def attend_tile(
     v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def dot_operand(q, kv_ptr):
+    """q as the dots take it: unchanged, but for a bf16 q over an fp8 cache, fp16 (which the
+    tiles then convert to, cheaply); bf16 -> fp16 is exact from fp16's smallest normal (2^-14)
+    up, and saturated at its largest, +-65504."""
+    if kv_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit

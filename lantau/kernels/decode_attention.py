@@ -30,6 +30,7 @@ from lantau.kernels.attention_tiles import (
     attend_tile,
     check_kv_scales,
     check_paged_inputs,
+    dot_operand,
     dot_precision,
     kv_strides,
     load_kv,
@@ -270,6 +271,8 @@ def _paged_decode_split_kernel(
             q_ptr + q_offs, offs_d[None, :], head_mask[:, None], cos[None, :], sin[None, :],
             HEAD_DIM,
         ).to(q_ptr.dtype.element_ty)  # fmt: skip
+        q = dot_operand(q, kv_ptr)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # exact (the cache's values)
         if key_start < key_end:  # the first tile, scores past key_end masked
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
             s = tl.where(k_valid[None, :], s, float("-inf"))
@@ -278,6 +281,7 @@ def _paged_decode_split_kernel(
             first = key_start + BLOCK_N
     else:
         q = tl.load(q_ptr + q_offs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
+        q = dot_operand(q, kv_ptr)
     # whole tiles unmasked, then the split's last, partial tile (if any) masked to key_end;
     # a non-empty split's first tile has a valid key, as attend_tile requires
     full_end = key_start + (key_end - key_start) // BLOCK_N * BLOCK_N

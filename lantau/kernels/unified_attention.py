@@ -24,6 +24,7 @@ from lantau.kernels.attention_tiles import (
     attend_tile,
     check_kv_scales,
     check_paged_inputs,
+    dot_operand,
     dot_precision,
     kv_strides,
 )
@@ -103,6 +104,7 @@ def _unified_attention_kernel(
     token = (q_start + q_idx).to(tl.int64)
     q_offs = token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q = dot_operand(q, kv_ptr)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
