@@ -383,7 +383,7 @@ def sweep() -> None:
 
 def parse_counts(spec: str) -> dict[str, int]:
     """ "W3-128=6144,W4-1000=128" -> counts, over the defaults."""
-    counts = {"W3-128": 4608, "W3-1000": 768, "W3-2048": 400, "W4-128": 768, "W4-1000": 128}
+    counts = {"W3-128": 4608, "W3-1000": 768, "W3-2048": 400, "W4-128": 1024, "W4-1000": 128}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         counts[key] = int(value)
@@ -406,7 +406,7 @@ def main() -> None:
         help='JSON of more LLM() arguments for the fp8 engines, e.g. \'{"kv_cache_dtype": "fp8"}\'',
     )
     parser.add_argument("--w3-seqs", default="384", help="the 8B fp8 engines' max_num_seqs")
-    parser.add_argument("--w4-seqs", default="128", help="the 70B fp8 engines' max_num_seqs")
+    parser.add_argument("--w4-seqs", default="512", help="the 70B fp8 engines' max_num_seqs")
     args = parser.parse_args()
     w3_seqs = [int(v) for v in args.w3_seqs.split(",")]
     w4_seqs = [int(v) for v in args.w4_seqs.split(",")]
