@@ -69,3 +69,50 @@ def test_generate_stream_abort_and_failure():
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_first_tokens_are_handed_out_before_running_streams():
+    """In a step's outputs the core lists running requests first; the frontend queues a new
+    request's first output ahead of them, so its stream resumes (and sends its first chunk)
+    before the running streams'. No core: the engine's messages are fed to it directly."""
+    from lantau.engine.protocol import CoreOutputs, StepStats
+    from lantau.outputs import RequestOutput
+
+    async def main():
+        config, source = build_engine_config("random:tiny", device="cpu", max_model_len=256)
+        engine = AsyncLLM(config, source, load_tokenizer(source))  # not started
+
+        async def no_core(msg) -> None:
+            pass
+
+        engine._send = no_core
+        made: dict[str, RequestOutput] = {}
+        # the core's outputs, as the processor would hand them on: one object a request
+        engine.processor.process = lambda outs: ([made[o] for o in outs], [])
+        resumed: list[str] = []
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+        async def stream(request_id: str) -> None:
+            made[request_id] = RequestOutput(request_id, None, [5, 6])
+            async for _ in engine.generate(request_id, {"prompt_token_ids": [5, 6]}, params):
+                resumed.append(request_id)
+
+        async def step(*request_ids: str) -> list[str]:
+            resumed.clear()
+            await engine._handle_outputs(CoreOutputs(list(request_ids), StepStats()))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            return list(resumed)
+
+        tasks = [asyncio.create_task(stream(r)) for r in ("a", "b")]
+        await asyncio.sleep(0)
+        assert await step("a") == ["a"]
+        assert await step("a", "b") == ["b", "a"]  # b's first output goes ahead of a's
+        assert await step("a", "b") == ["a", "b"]  # then the core's order again
+        assert engine.awaiting_first == set()
+        made["a"].finished = made["b"].finished = True
+        await step("a", "b")
+        await asyncio.gather(*tasks)
+        assert engine.queues == {} and engine.awaiting_first == set()
+
+    asyncio.run(main())

@@ -88,6 +88,7 @@ class AsyncLLM:
         self.source = source
         self.set_tokenizer(tokenizer)
         self.queues: dict[str, asyncio.Queue] = {}
+        self.awaiting_first: set[str] = set()  # requests that have had no output yet
         self.timings: dict[str, RequestTiming] = {}  # requests in flight, when metrics are on
         self.stats = StepStats()
         self.last_report = 0.0  # time.monotonic() of the core's last message
@@ -258,6 +259,7 @@ class AsyncLLM:
         children = self.processor.add_request(request_id, text, ids, params, priority)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
+        self.awaiting_first.add(request_id)
         self.num_pending_tokens += num_tokens
         self.num_pending_seqs += params.n
         if self.metrics is not None:
@@ -276,6 +278,7 @@ class AsyncLLM:
                 yield item
         finally:
             self.queues.pop(request_id, None)
+            self.awaiting_first.discard(request_id)
             self.num_pending_tokens -= num_tokens
             self.num_pending_seqs -= params.n
             self._record_finished(request_id, last)
@@ -326,6 +329,8 @@ class AsyncLLM:
         if stopped:
             await self._send(AbortRequests(stopped, FinishReason.STOP))
         now, timings = self.last_report, self.timings
+        if self.awaiting_first:
+            outputs = self._first_tokens_first(outputs)
         for output in outputs:
             queue = self.queues.get(output.request_id)
             if queue is not None:
@@ -337,6 +342,18 @@ class AsyncLLM:
                 else:
                     timing.first_token_s = now
                 timing.last_token_s = now
+
+    def _first_tokens_first(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's first outputs of requests before the running streams' next ones: the
+        streams resume in the order their outputs are queued, and a new request's time to
+        first token should not wait behind every running stream's SSE chunk."""
+        waiting = self.awaiting_first
+        first = [o for o in outputs if o.request_id in waiting]
+        if not first:
+            return outputs
+        new_ids = {o.request_id for o in first}
+        waiting -= new_ids
+        return first + [o for o in outputs if o.request_id not in new_ids]
 
     def _note_first(self, times: dict[str, float], field: str) -> None:
         """The core's times by child id (when it took each request, when it first scheduled
