@@ -43,7 +43,10 @@ from lantau.sampling.sampler import greedy_pick
 logger = logging.getLogger(__name__)
 
 
-MAX_GRAPH_BS = 512  # larger decode batches run eagerly (launch cost is small next to them)
+# larger decode batches run eagerly. NOTE: not 512: on an H200, random:llama3-8b in fp8 at
+# max_num_seqs 768 ran its eager decode steps host-bound (W3-fp8-128 15,241 tok/s at 61.7 % GPU
+# use against 20,904 at 384 rows in graphs; benchmarks/RESULTS.md)
+MAX_GRAPH_BS = 1024
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
