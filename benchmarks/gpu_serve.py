@@ -10,6 +10,11 @@ in .whl) through the start of the first run, every thread and idle time included
 core_profile.txt (py-spy's raw stacks) and core_profile.md: where the core's main loop spends
 its time, by the loop's own call and by the innermost frame.
 
+--hf-runs RUNS first sends the runs to HF transformers behind the same HTTP API
+(benchmarks/hf_serve.py, static batches of --hf-max-batch; its own server, gone before lantau's
+starts); each run both servers ran gets lantau's report with the before/after table, in
+before_after.tar.gz.
+
 A run is WORKLOAD:RATE:NUM_REQUESTS[:CONCURRENCY] (W2 through the server:
 random:128/512:inf:3:1, three requests one at a time). On the H200 image the serving packages
 come as wheels (.whl) and the default model's tokenizer as a metadata-only GGUF (.gl, made by
@@ -70,7 +75,8 @@ def start_server(model: str, port: int, extra: list[str], log_path: Path):
     return launch_until_ready(cmd, port, log_path)
 
 
-def serve_runs(base: str, specs: list[str]) -> list[dict]:
+def serve_runs(base: str, specs: list[str], full: dict | None = None) -> list[dict]:
+    """Each run's result, its records left out (`full`: where they go, by spec)."""
     rows = []
     for spec in specs:
         parts, concurrency = spec.split(":"), []
@@ -87,6 +93,8 @@ def serve_runs(base: str, specs: list[str]) -> list[dict]:
             show_progress=False,
         )
         result = run_serve(config).to_dict()
+        if full is not None:
+            full[spec] = dict(result)
         result.pop("records")
         s = result["summary"]
         rows.append({"spec": spec, **result, "engine": engine_figures(result["server_metrics"])})
@@ -157,6 +165,39 @@ def summarize_core_profile(raw: Path) -> str:
     return "\n".join(lines)
 
 
+def hf_runs(model: str, specs: list[str], max_batch: int, out: Path, full: dict) -> list[dict]:
+    """The same runs against HF transformers behind the same HTTP API (hf_serve.py, static
+    batches of max_batch): the before/after table's "before"."""
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).with_name("hf_serve.py")), "--model", model,
+           "--port", str(port), "--max-batch", str(max_batch)]  # fmt: skip
+    proc, ready_s = launch_until_ready(cmd, port, out / "hf_server.log")
+    print(f"HF server ready in {ready_s:.1f} s", flush=True)
+    try:
+        return serve_runs(f"http://127.0.0.1:{port}", specs, full)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+def before_after_reports(before: dict, after: dict, out: Path) -> None:
+    """For each spec run against both servers, lantau's report with the before/after table,
+    all in OUT/before_after.tar.gz (report.md and .html, results.json, plots, a folder a spec)."""
+    import tarfile
+    import tempfile
+
+    from lantau.bench import report
+
+    with tarfile.open(out / "before_after.tar.gz", "w:gz") as tar, tempfile.TemporaryDirectory(
+    ) as tmp:  # fmt: skip
+        for i, spec in enumerate(s for s in after if s in before):
+            folder = Path(tmp) / f"{i}-{spec.replace('/', '_').replace(':', '_')}"
+            report.write_report(after[spec], folder, before[spec])
+            tar.add(folder, arcname=folder.name)
+            table = (folder / "report.md").read_text().split("## Before / after")[-1]
+            print(f"{spec}: before (HF) / after (lantau)\n{table.split('## ')[0]}", flush=True)
+
+
 def offline_runs(model: str, specs: list[str], out: Path) -> list[dict]:
     rows = []
     for spec in specs:
@@ -177,15 +218,21 @@ def main() -> None:
     p.add_argument("--offline", default="in:467/out:256:500,W5:256")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--profile-core", type=float, default=0, help="seconds of py-spy on the core")
+    p.add_argument("--hf-runs", default="", help="runs against hf_serve.py first (the before)")
+    p.add_argument("--hf-max-batch", type=int, default=16, help="hf_serve.py's static batches")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    before_full, after_full = {}, {}
+    hf = []
+    if args.hf_runs:
+        hf = hf_runs(args.model, args.hf_runs.split(","), args.hf_max_batch, out, before_full)
     port = free_port()
     proc, ready_s = start_server(args.model, port, args.server_args.split(), out / "server.log")
     print(f"server ready in {ready_s:.1f} s", flush=True)
     profiler = start_core_profile(proc, args.profile_core, out) if args.profile_core else None
     try:
-        served = serve_runs(f"http://127.0.0.1:{port}", args.runs.split(","))
+        served = serve_runs(f"http://127.0.0.1:{port}", args.runs.split(","), after_full)
         if profiler is not None:
             profiler.wait(timeout=args.profile_core + 60)
             summary = summarize_core_profile(out / "core_profile.txt")
@@ -195,11 +242,13 @@ def main() -> None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     offline = offline_runs(args.model, args.offline.split(","), out) if args.offline else []
-    result = {"ready_s": ready_s, "served": served, "offline": offline}
+    result = {"ready_s": ready_s, "served": served, "offline": offline, "hf": hf}
     (out / "gpu_serve.json").write_text(json.dumps(result, indent=1))
+    if hf:
+        before_after_reports(before_full, after_full, out)
     print("\n| run | output tok/s | req/s | TTFT mean / p95 ms | ITL mean / p95 / p99 ms | util |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for r in served:
+    for r in [*({**r, "spec": f"HF {r['spec']}"} for r in hf), *served]:
         s = r["summary"]
         print(
             f"| {r['spec']} | {s['output_throughput']:.0f} | {s['request_throughput']:.2f} | "
