@@ -7,7 +7,7 @@ capacity, greedy tokens against auto's).
 Prints a short table last and writes everything as JSON to $OUT/gpu_fp8_kv.json.
 
     PYTHONPATH=. python3 benchmarks/gpu_fp8_kv.py [--w3-prompts 256] [--skip engines]
-        [--decode-sizes 384x192,256x2048] [--fp8-tiles '128,4,1;64,4,1']
+        [--decode-sizes 384x192,256x2048] [--fp8-tiles '128,4,1;64,4,1'] [--num-splits 1,2,4]
 
 Each stage runs on its own: a failure is reported and the next stage still runs. The engines
 take token-id prompts and detokenize nothing: no tokenizer (or `.gl`) needed.
@@ -181,16 +181,17 @@ def check_kv_writes(dev, dtype, scale) -> dict:
 # default (64, 4, 2): an fp8 tile of 64 keys is half a bf16 one's bytes, so longer or deeper
 # tiles may keep as many bytes in flight
 FP8_TILES = ((128, 4, 2), (128, 8, 2), (64, 4, 3))
+SPLITS: tuple[int, ...] = ()  # --num-splits: the fp8 cache's default tile at these split counts
 
 
-def time_decode(da, args, config=None) -> float:
+def time_decode(da, args, config=None, num_splits=None) -> float:
     """Median microseconds of one paged_decode_attention launch."""
     import triton.testing
 
-    ms = triton.testing.do_bench(
-        lambda: da.paged_decode_attention(*args, config=config), return_mode="median"
-    )
-    return round(1000 * ms, 1)
+    def launch():
+        return da.paged_decode_attention(*args, config=config, num_splits=num_splits)
+
+    return round(1000 * triton.testing.do_bench(launch, return_mode="median"), 1)
 
 
 @stage("decode-timing")
@@ -220,6 +221,9 @@ def decode_timing(sizes: list[tuple[int, int]]) -> None:
         }
         best = min(tiles, key=tiles.get)
         row["fp8_tiles_us"] = {str(t): us for t, us in tiles.items()}
+        args = (q, caches["fp8"], o, lens, tables, ctx, scale)
+        row["fp8_default_splits"] = da.default_num_splits(num_reqs, HK, ctx, q.device)
+        row["fp8_splits_us"] = {n: time_decode(da, args, num_splits=n) for n in SPLITS}
         row["fp8_best_tile"], row["fp8_best_tile_us"] = list(best), tiles[best]
         out[f"{num_reqs}x{ctx}"] = row
         print(num_reqs, ctx, row, flush=True)
@@ -228,7 +232,8 @@ def decode_timing(sizes: list[tuple[int, int]]) -> None:
                 f"decode attn {num_reqs}x{ctx}",
                 f"fp8 {row['fp8_us']} us, bf16 {row['bf16_us']} us ({row['speedup']}x)",
                 f"KV read {row['fp8_tb_s']} / {row['bf16_tb_s']} TB/s; fp8 tile {best}: "
-                f"{tiles[best]} us",
+                f"{tiles[best]} us; splits (default {row['fp8_default_splits']}) "
+                + ", ".join(f"{n}: {us}" for n, us in row["fp8_splits_us"].items()),
             )
         )
         del kv, caches
@@ -305,9 +310,13 @@ def main() -> None:
         help="the fp8 tiles tried, BLOCK_N,num_warps,num_stages each, ';'-separated "
         "(default: FP8_TILES)",
     )
+    parser.add_argument(
+        "--num-splits", default="", help="split counts timed on the fp8 cache, e.g. 1,2,4"
+    )
     parser.add_argument("--skip", default="", help="comma-separated: kernels, decode, engines")
     args = parser.parse_args()
-    global FP8_TILES
+    global FP8_TILES, SPLITS
+    SPLITS = tuple(int(n) for n in args.num_splits.split(",") if n)
     if args.fp8_tiles:
         FP8_TILES = tuple(tuple(int(x) for x in t.split(",")) for t in args.fp8_tiles.split(";"))
     skip = set(args.skip.split(","))
