@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +43,7 @@ class Job:
     temperature: float
     out: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    made: list[int] = field(default_factory=list)
+    num_made: int = 0  # the batcher's count
 
     def emit(self, token: int | None) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, token)
@@ -125,9 +125,9 @@ class StaticBatcher:
             for row, job in enumerate(batch):
                 if done[row]:
                     continue
-                job.made.append(tokens[row])
+                job.num_made += 1
                 job.emit(tokens[row])
-                if len(job.made) == job.max_tokens or (
+                if job.num_made == job.max_tokens or (
                     not job.ignore_eos and tokens[row] in self.eos
                 ):
                     done[row] = True
@@ -157,6 +157,14 @@ def pick(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 
 def make_app(batcher: StaticBatcher, tokenizer, model_name: str, vocab_size: int):
     from aiohttp import web
+
+    from lantau.engine.detokenizer import IncrementalDetokenizer
+    from lantau.request import SamplingParams
+
+    # special tokens spelled, as tokenizer.decode does; ids past the tokenizer's (a random
+    # model's larger vocabulary) spelled as lantau does: id mod the tokenizer's size
+    text_params = SamplingParams(skip_special_tokens=False)
+    fold_ids_at = len(tokenizer) if vocab_size > len(tokenizer) else None
 
     def error(status: int, message: str) -> web.Response:
         body = {"error": {"message": message, "type": "invalid_request_error"}}
@@ -190,52 +198,57 @@ def make_app(batcher: StaticBatcher, tokenizer, model_name: str, vocab_size: int
         job = Job(ids, max_tokens, bool(body.get("ignore_eos")), temperature, asyncio.Queue(), loop)
         batcher.jobs.put(job)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        # the text as lantau's frontend grows it (a character's bytes held back until whole)
+        detok = IncrementalDetokenizer(tokenizer, text_params, ids, fold_ids_at)
 
-        def chunk(text: str, finish: str | None = None, usage: dict | None = None) -> bytes:
-            event = {"id": rid, "object": "text_completion", "created": created,
-                     "model": model_name,
-                     "choices": [{"index": 0, "text": text, "finish_reason": finish}]}  # fmt: skip
-            if usage is not None:
-                event = {**event, "choices": [], "usage": usage}
-            return b"data: " + json.dumps(event).encode() + b"\n\n"
+        made: list[int] = []  # as they arrived here
 
-        if not body.get("stream"):
+        async def deltas():
+            """Each token's new text, as the tokens arrive from the batcher."""
             while (token := await job.out.get()) is not None:
                 if isinstance(token, Exception):
-                    return error(500, str(token))
-            text = tokenizer.decode(job.made)
-            finish = "length" if len(job.made) == max_tokens else "stop"
-            usage = {"prompt_tokens": len(ids), "completion_tokens": len(job.made),
-                     "total_tokens": len(ids) + len(job.made)}  # fmt: skip
-            return web.json_response(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model_name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish}],
-                    "usage": usage,
-                }  # fmt: skip
-            )
+                    raise token
+                made.append(token)
+                before = len(detok.text)
+                detok.add_token(token)
+                yield detok.text[before:]
+
+        def event(choices: list[dict], **more) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created,
+                    "model": model_name, "choices": choices, **more}  # fmt: skip
+
+        def choice(text: str, finished: bool = True) -> dict:
+            finish = ("length" if len(made) == max_tokens else "stop") if finished else None
+            return {"index": 0, "text": text, "finish_reason": finish}
+
+        def usage() -> dict:
+            return {"prompt_tokens": len(ids), "completion_tokens": len(made),
+                    "total_tokens": len(ids) + len(made)}  # fmt: skip
+
+        def sse(data: dict) -> bytes:
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+        if not body.get("stream"):
+            try:
+                async for _ in deltas():
+                    pass
+            except Exception as e:
+                return error(500, str(e))
+            # the whole text at once, a last unfinished character's bytes included
+            text = tokenizer.decode([t % fold_ids_at if fold_ids_at else t for t in made])
+            return web.json_response(event([choice(text)], usage=usage()))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        sent = ""  # the text decoded so far: each chunk is the rest of the whole's decode
-        while (token := await job.out.get()) is not None:
-            if isinstance(token, Exception):
-                event = {"error": {"message": str(token), "type": "server_error"}}
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-                return response
-            text = tokenizer.decode(job.made)
-            if text.endswith("\ufffd"):  # a character's bytes not all made yet
-                continue
-            await response.write(chunk(text[len(sent) :]))
-            sent = text
-        finish = "length" if len(job.made) == max_tokens else "stop"
-        await response.write(chunk("", finish))
+        try:
+            async for delta in deltas():
+                if delta:
+                    await response.write(sse(event([choice(delta, finished=False)])))
+        except Exception as e:
+            await response.write(sse({"error": {"message": str(e), "type": "server_error"}}))
+            return response
+        await response.write(sse(event([choice("")])))
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": len(ids), "completion_tokens": len(job.made),
-                     "total_tokens": len(ids) + len(job.made)}  # fmt: skip
-            await response.write(chunk("", usage=usage))
+            await response.write(sse(event([], usage=usage())))
         await response.write(b"data: [DONE]\n\n")
         return response
 

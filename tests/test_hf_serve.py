@@ -8,10 +8,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -20,14 +18,9 @@ import torch
 import transformers
 
 from tests.conftest import hf_greedy
+from tests.test_openai_server import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +32,15 @@ def hf_server(tiny_llama_dir):
         "float32", "--max-batch", "4", "--batch-wait-ms", "500",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(proc.stdout.read().decode()[-3000:])
-        time.sleep(0.2)
+    try:
+        wait_ready(url, proc)
+    except Exception:
+        proc.kill()
+        raise
     yield url
     proc.terminate()
     proc.wait(timeout=30)
