@@ -25,6 +25,11 @@ class GatewayCollector:
     def collect(self) -> Iterator:
         backends = self.gateway.all_backends
         b = ["backend"]
+
+        def per_backend(counts_of) -> list:
+            """((url, key), count) of each backend's Counter `counts_of(backend)`."""
+            return [((x.url, k), n) for x in backends for k, n in sorted(counts_of(x).items())]
+
         yield gauge_family(
             "lantau:gateway_backend_up", "1 while the backend passes its health checks.",
             b, [((x.url,), int(x.is_healthy)) for x in backends],
@@ -41,20 +46,20 @@ class GatewayCollector:
         yield counter_family(
             "lantau:gateway_backend_responses", "Responses from the backend, by HTTP status.",
             ["backend", "code"],
-            [((x.url, code), n) for x in backends for code, n in sorted(x.num_responses.items())],
+            per_backend(lambda x: x.num_responses),
         )  # fmt: skip
         yield counter_family(
             "lantau:gateway_retries",
             "Requests that left the backend for another one, by why (connect, disconnect, "
             "timeout, http_429, http_503).",
             ["backend", "reason"],
-            [((x.url, r), n) for x in backends for r, n in sorted(x.num_retries.items())],
+            per_backend(lambda x: x.num_retries),
         )  # fmt: skip
         yield counter_family(
             "lantau:gateway_backend_transitions",
             "Health changes of the backend, by the state it went to (up, down).",
             ["backend", "to"],
-            [((x.url, t), n) for x in backends for t, n in sorted(x.num_transitions.items())],
+            per_backend(lambda x: x.num_transitions),
         )  # fmt: skip
         yield counter_family(
             "lantau:gateway_requests",
