@@ -153,3 +153,29 @@ def test_engine_core_keeps_the_pacer_in_step(monkeypatch):
 
     assert run(paced=True) == run(paced=False)
     assert len(timed) >= 6 and {k[0] for k in timed} == {0, 1}
+
+
+def test_pacing_stops_when_requests_stop_arriving(monkeypatch):
+    """With no request in the last PACE_WINDOW_S (a burst's tail), schedule_at() says "at
+    once" although the pacer could predict; an arrival, or one within the window, paces again."""
+    from lantau import LLM
+    from lantau.engine import core as core_module
+
+    llm = LLM("random:tiny", device="cpu", max_model_len=256, num_kv_blocks=64)
+    core = llm.engine.core
+    core.pacer = pacer = StepPacer(safety_s=0.0)
+    pacer.launched(DECODE, 0.001)
+    pacer.timed(DECODE, 0.008)
+    now = [100.0]
+    monkeypatch.setattr(core_module.time, "monotonic", lambda: now[0])
+    pacer.collected(now[0], waited=True, in_flight=DECODE)
+    due = now[0] + 0.008 - 0.001
+    assert core.schedule_at() is None  # nothing ever arrived
+    core.last_arrival_s = now[0] - core_module.PACE_WINDOW_S / 2
+    assert core.schedule_at() == pytest.approx(due)
+    now[0] += core_module.PACE_WINDOW_S  # the window has passed
+    assert core.schedule_at() is None
+    pacer.launched(MIXED, 0.002)
+    assert core.schedule_at(arrived=True) == pytest.approx(due - 0.001)  # a step with prompts
+    core.add_request(NewRequest("x", [1, 2, 3], SamplingParams(max_tokens=2), (0,), 0).to_request())
+    assert core.last_arrival_s == now[0]

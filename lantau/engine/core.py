@@ -28,6 +28,11 @@ from lantau.runner.model_runner import LaunchedStep, ModelRunner
 from lantau.scheduler.output import EngineCoreOutput, SchedulerOutput
 from lantau.scheduler.scheduler import Scheduler
 
+# the served loop paces its steps only while requests keep arriving: with none in this long
+# (a burst's tail, a quiet server) no arrival is there to join the next step, and steps launch
+# back to back as offline, with no launch cut close to the step before's end
+PACE_WINDOW_S = 1.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -85,6 +90,7 @@ class EngineCore:
         # schedule_at(); offline steps launch back to back and are not timed
         paced = paced and self.device.type == "cuda" and self.async_scheduling
         self.pacer = StepPacer() if paced else None
+        self.last_arrival_s = float("-inf")  # time.monotonic() of the last add_request
         self._timed: tuple[StepKey, StepTimer] | None = None  # the step in flight's events
         if self.device.type == "cuda" and not config.enforce_eager:
             if config.attention_backend != "triton":
@@ -115,6 +121,7 @@ class EngineCore:
         )
 
     def add_request(self, request: Request) -> None:
+        self.last_arrival_s = time.monotonic()
         self.validate(request.prompt_token_ids)
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
@@ -152,6 +159,8 @@ class EngineCore:
         `arrived`: requests came in since the last step (the next one has prompt tokens)."""
         if self.pacer is None or (self.scheduler.num_waiting and not arrived):
             return None  # NOTE: with requests waiting for room, arrivals gain nothing
+        if not arrived and time.monotonic() - self.last_arrival_s > PACE_WINDOW_S:
+            return None  # none is coming (PACE_WINDOW_S)
         return self.pacer.schedule_at(arrived or self.scheduler.has_partial_prompts)
 
     def step(self) -> list[EngineCoreOutput]:
