@@ -72,6 +72,10 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
             # decode_logits: every layer's add + norm, and the last residual add with the final
             # norm (no separate add, no separate norm launch)
             assert norms == [True] * (2 * num_layers - 1) + [False], norms
+            # every bucket's logits: the first rows of its turn's one buffer (a buffer a
+            # bucket held sum(buckets) rows of vocab_size: 18 GiB at 768 sequences of llama3)
+            assert replayed.data_ptr() == graphs.turns[turn].logits.data_ptr()
+            assert replayed.shape == (bs, graphs.turns[turn].logits.shape[1])
             classes.add(short)
             turns.append(turn)
             # the graph's greedy pick: each row's argmax, left in its turn's ids buffer for the

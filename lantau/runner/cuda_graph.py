@@ -56,12 +56,20 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+def graph_logits_bytes(config: EngineConfig, model: LlamaForCausalLM) -> int:
+    """The decode graphs' logits buffers (GraphInputs.logits, one a turn)."""
+    rows = min(config.scheduler.max_num_seqs, MAX_GRAPH_BS)
+    return 2 * rows * model.lm_head.weight.shape[0] * model.lm_head.weight.element_size()
+
+
 class GraphInputs:
     """One turn's input buffer (one copy a step): input ids, positions, slots, pending source
     row (-1: the host's id) as int64 [4, n]; then int32 sequence lengths [n], then the block
     table rows [n, max_blocks]; views of each, and the turn's graphs."""
 
-    def __init__(self, n: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self, n: int, max_blocks: int, vocab_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.bytes64 = 8 * 4 * n
         self.buffer = torch.zeros(
             self.bytes64 + 4 * n * (1 + max_blocks), dtype=torch.uint8, device=device
@@ -71,8 +79,13 @@ class GraphInputs:
         self.input_ids, self.positions, self.slot_mapping, self.pending_src = ids64.unbind(0)
         self.seq_lens = ids32[:n]
         self.block_tables = ids32[n:].view(n, max_blocks)
-        # bucket -> (graph, its logits [bs, vocab], its greedy ids [bs]); the short ones serve
-        # batches whose contexts are all within model.ops.short_context_keys(bucket)
+        # the logits of every graph of the turn, each its first rows: a turn's replays never
+        # overlap, and a bucket's own logits would hold sum(buckets) rows (at 768 sequences
+        # and llama3's vocab, 8.9 GiB a turn, none counted when the KV cache was sized)
+        self.logits = torch.empty(n, vocab_size, dtype=dtype, device=device)
+        # bucket -> (graph, its logits [bs, vocab] (the first rows of `logits`), its greedy ids
+        # [bs]); the short ones serve batches whose contexts are all within
+        # model.ops.short_context_keys(bucket)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.short_graphs: dict[int, tuple] = {}
         # the last replay that read the buffer (a copy into it waits for it)
@@ -104,7 +117,8 @@ class CudaGraphRunner:
         n = self.max_bs
         assert len(token_ids) == 2, "one ids buffer a turn"
         self.token_ids = token_ids
-        self.turns = [GraphInputs(n, self.max_blocks, device) for _ in token_ids]
+        vocab_size, dtype = model.lm_head.weight.shape[0], model.lm_head.weight.dtype
+        self.turns = [GraphInputs(n, self.max_blocks, vocab_size, dtype, device) for _ in token_ids]
         # turn 0's views and graphs under their plain names (what the benchmarks time)
         first = self.turns[0]
         self.buffer, self.graphs, self.short_graphs = first.buffer, first.graphs, first.short_graphs
@@ -139,8 +153,9 @@ class CudaGraphRunner:
         )
         ctx = ForwardContext(meta, self.kv_caches, inp.positions[:bs])
         pick = (inp.pending_src[:bs], self.token_ids[1 - turn])  # input tokens picked on device
-        return self.model.decode_logits(inp.input_ids[:bs], ctx, pick)  # [bs, vocab_size]
+        return self.model.decode_logits(inp.input_ids[:bs], ctx, pick, out=inp.logits)
 
+    @torch.inference_mode()  # as capture() and the runner's launch(); also for the tests
     def _step(
         self, bs: int, max_seq_len: int | None = None, turn: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:

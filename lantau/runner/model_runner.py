@@ -198,6 +198,10 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(device)
         not_torch = total - free - torch.cuda.memory_reserved(device)  # context, NCCL, ...
         budget = int(total * config.cache.gpu_memory_utilization) - not_torch - peak
+        if not config.enforce_eager:  # the CUDA graphs' logits, captured after the cache
+            from lantau.runner.cuda_graph import graph_logits_bytes
+
+            budget -= graph_logits_bytes(config, model)
         return max((budget - CUDA_HEADROOM_BYTES) // per_block, 0)
 
     @property
