@@ -84,6 +84,9 @@ def test_bad_sampling_params(kwargs, field):
         ({"prompt_token_ids": list(range(3, 67))}, "prompt"),  # 64 tokens, max_model_len 64
         ({"prompt_token_ids": [1, 99999]}, "prompt_token_ids"),
         ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
+        ({"prompt_token_ids": [5, 6.0]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [5, True]}, "prompt_token_ids"),
+        ({"prompt_token_ids": np.array([[5, 6]])}, "prompt_token_ids"),  # 2-D
         ("text", "prompt"),  # this checkpoint ships no tokenizer
         (42, "prompt"),
     ],
@@ -96,6 +99,19 @@ def test_bad_prompts_queue_nothing(llm, prompt, field):
     assert_untouched(llm)
     # the engine still serves afterwards
     assert len(llm.generate(good, SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+    assert_untouched(llm)
+
+
+def test_numpy_token_ids_are_served_as_ints(llm):
+    """np.int64 ids (a list of them, or the array itself) are the same prompt as Python ints:
+    before, validation's isinstance(t, int) refused them as "must be integers in [0, V)"."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids
+    ids = np.array([5, 6, 7], dtype=np.int64)
+    for prompt in (list(ids), ids, tuple(ids.tolist())):
+        out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+        assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].token_ids == want
+        assert all(type(t) is int for t in out.prompt_token_ids)
     assert_untouched(llm)
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from lantau.engine.async_llm import EngineOverloadedError
+from lantau.engine.llm_engine import token_ids
 from lantau.engine.protocol import StepStats
 from lantau.errors import InvalidRequestError
 from lantau.outputs import CompletionOutput, RequestOutput
@@ -70,10 +71,7 @@ class EchoEngine:
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         """(text, fake token ids): one id per whitespace-separated word."""
         if isinstance(prompt, dict):
-            ids = prompt.get("prompt_token_ids")
-            if not isinstance(ids, list):
-                raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
-            text, ids = None, list(ids)
+            text, ids = None, token_ids(prompt.get("prompt_token_ids"))
         elif isinstance(prompt, str):
             text, ids = prompt, [hash(w) % self.vocab_size for w in prompt.split()]
         else:

@@ -6,6 +6,7 @@ The server's AsyncLLM uses the same OutputProcessor across a process boundary.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,19 @@ class _RequestState:
     num_unfinished: int = 0
 
 
+def token_ids(ids) -> list[int]:
+    """A prompt's ids as Python ints: a list, a tuple or a 1-D array of integers, numpy's
+    included (np.int64 ids, an array's rows); no bools, no floats."""
+    if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) == 1:
+        ids = ids.tolist()  # a numpy array or a 1-D tensor
+    if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) for t in ids):
+        raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
+    try:
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise InvalidRequestError("prompt_token_ids", "must be a list of integers") from None
+
+
 class OutputProcessor:
     """Turns core outputs (token ids per child request) into RequestOutputs per request."""
 
@@ -52,10 +66,7 @@ class OutputProcessor:
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            ids = prompt.get("prompt_token_ids")
-            if not isinstance(ids, list):
-                raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
-            return None, list(ids)
+            return None, token_ids(prompt.get("prompt_token_ids"))
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt", f"must be a string, got {type(prompt).__name__}")
         if not prompt:
