@@ -120,6 +120,13 @@ def test_metrics_count_known_traffic_exactly(make_server):
     assert m["lantau:request_http_first_chunk_time_seconds_count" + LABEL] == 1
     assert 0 < m["lantau:request_http_first_chunk_time_seconds_sum" + LABEL] < e2e
 
+    # garbage collections timed in both processes, the first the full one of the start-up
+    # heap before its freeze: the core's under the model's labels, the frontend's under none
+    for process, model in (("core", "random:tiny"), ("frontend", "")):
+        key = dict(model_name=model, process=process, generation="2")
+        assert m[series("lantau:gc_pause_seconds_count", **key)] >= 1, process
+        assert m[series("lantau:gc_pause_seconds_sum", **key)] > 0, process
+
     # the request log: one JSON line per inference request, the refusals too
     lines = [json.loads(x) for x in server.close().splitlines() if x.startswith('{"time"')]
     assert sorted(x["status"] for x in lines) == ["200", "200", "200", "400", "429"]

@@ -15,6 +15,7 @@ import zmq
 from lantau.engine.core_process import _busy_loop
 from lantau.engine.pacer import StepPacer, step_key
 from lantau.engine.protocol import AddRequests, NewRequest
+from lantau.metrics.gc_pauses import GcPauses
 from lantau.request import SamplingParams
 from tests.test_scheduler import add, make_scheduler
 
@@ -109,7 +110,7 @@ def test_served_loop_takes_requests_until_the_step_is_due():
     sender = threading.Thread(target=send_later)
     sender.start()
     with pytest.raises(StopIteration):
-        _busy_loop(core, os.getppid(), pull, None)
+        _busy_loop(core, os.getppid(), pull, None, GcPauses())
     sender.join()
     assert core.seen_at_step == ["late"]
     assert core.due_with_prompt <= core.stepped_at < core.due

@@ -322,6 +322,8 @@ class AsyncLLM:
         self.stats = msg.stats
         for child_id, error in msg.rejected.items():
             self._reject(child_id, error)
+        if msg.gc_pauses and self.metrics is not None:
+            self.metrics.record_core_gc(msg.gc_pauses)
         if self.timings:
             self._note_first(msg.received, "received_s")
             self._note_first(msg.scheduled, "scheduled_s")

@@ -27,6 +27,7 @@ from lantau.engine.protocol import (
     StepStats,
 )
 from lantau.errors import InvalidRequestError
+from lantau.metrics.gc_pauses import GcPauses, freeze_startup_heap
 
 if TYPE_CHECKING:  # NOTE: imported by the frontend; torch loads only in the core process
     from lantau.engine.core import EngineCore
@@ -137,15 +138,21 @@ def run_engine_core(
 
         core.startup_s["warm_up"] = warm_up(core)
         _log_late_compiles()
+    # every collection timed for /metrics, the first one the full collection of start-up's
+    # objects before they are frozen out of every later walk (gc_pauses.py: one of them
+    # stalled every stream ~0.1 s)
+    pauses = GcPauses().install()
+    frozen = freeze_startup_heap()
+    logger.info("froze %d start-up objects out of the garbage collector's walks", frozen)
     core_config = core.config
     ready = CoreReady(
         core_config.cache.num_blocks, core_config.scheduler.max_model_len, None, core.startup_s
     )
     out_sock.send(encoder.encode(ready))
-    _busy_loop(core, parent, in_sock, out_sock)
+    _busy_loop(core, parent, in_sock, out_sock, pauses)
 
 
-def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock) -> None:
+def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock, pauses: GcPauses) -> None:
     """Take messages, step, send what the step produced (or a heartbeat), until orphaned."""
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(FrontendMessage)
@@ -183,7 +190,7 @@ def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock) -> None:
         now = time.monotonic()
         if outputs or rejected or now - last_sent >= HEARTBEAT_S:
             stats = core_stats(core, clock)
-            message = CoreOutputs(outputs, stats, rejected, scheduled, received)
+            message = CoreOutputs(outputs, stats, rejected, scheduled, received, pauses.drain())
             out_sock.send(encoder.encode(message))
             scheduled, received, last_sent = {}, {}, now
 

@@ -85,6 +85,8 @@ class CoreOutputs(msgspec.Struct, array_like=True):
     scheduled: dict[str, float] = msgspec.field(default_factory=dict)
     # request id -> time.monotonic() when the core took it off its socket (dispatch times)
     received: dict[str, float] = msgspec.field(default_factory=dict)
+    # the core's garbage collections since its last message: (generation, seconds) each
+    gc_pauses: list[tuple[int, float]] = msgspec.field(default_factory=list)
 
 
 class CoreReady(msgspec.Struct, array_like=True):

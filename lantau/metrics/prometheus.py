@@ -21,6 +21,7 @@ from prometheus_client.core import (
 )
 
 from lantau.engine.protocol import StepStats
+from lantau.metrics.gc_pauses import PROCESS_GC
 from lantau.metrics.gpu import GpuReader
 from lantau.metrics.stats import EngineFigures
 
@@ -182,11 +183,32 @@ class EngineCollector:
             yield histogram_family(f"lantau:{name}", doc, names, samples)
         for name, doc, hist in LENGTH_HISTOGRAMS:
             yield histogram_family(name, doc, names, [(k, hist(f.metrics)) for k, f in engines])
+        yield self._gc_pauses(engines)
         yield gauge_family(
             "lantau:cache_config_info",
             "The KV cache's configuration (value 1).",
             [*names, "block_size", "num_gpu_blocks"],
             [([*k, str(f.metrics.block_size), str(f.metrics.num_blocks)], 1) for k, f in engines],
+        )
+
+    def _gc_pauses(self, engines) -> Metric:
+        """Each engine core's collections, and this frontend's own (its engine labels empty)
+        once it froze its start-up heap."""
+        samples = [
+            ([*k, "core", str(generation)], hist)
+            for k, f in engines
+            for generation, hist in f.metrics.core_gc.items()
+        ]
+        if PROCESS_GC.started:
+            blank = [""] * len(self.label_names)
+            for generation, hist in PROCESS_GC.histograms.items():
+                samples.append(([*blank, "frontend", str(generation)], hist))
+        return histogram_family(
+            "lantau:gc_pause_seconds",
+            "Time a garbage collection stopped its process (engine core or frontend), by the "
+            "collector's generation (2: a full collection).",
+            [*self.label_names, "process", "generation"],
+            samples,
         )
 
     def _statuses(self, sources: list[EngineFigures]) -> Iterator[Metric]:

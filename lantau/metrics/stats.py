@@ -44,6 +44,19 @@ LATENCY_HISTOGRAMS = {
 }
 
 
+# seconds a garbage collection paused its process (lantau/metrics/gc_pauses.py): a young one
+# tens of microseconds, a full one over a large heap a tenth of a second
+GC_PAUSE_BUCKETS = (
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0
+)  # fmt: skip
+GC_GENERATIONS = (0, 1, 2)
+
+
+def gc_pause_histograms() -> dict[int, Histogram]:
+    """A pause histogram for each of the collector's generations."""
+    return {generation: Histogram(GC_PAUSE_BUCKETS) for generation in GC_GENERATIONS}
+
+
 def length_buckets(max_len: int) -> tuple[float, ...]:
     """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's token-count buckets)."""
     bounds, scale = [], 1
@@ -175,6 +188,7 @@ class EngineMetrics:
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
+        self.core_gc = gc_pause_histograms()  # the engine core's collections, by generation
         self.block_size = 0  # the cache's shape, for cache_config_info (set on start)
         self.num_blocks = 0
 
@@ -222,6 +236,11 @@ class EngineMetrics:
                 lat["prefill"].observe(max(t.first_token_s - t.scheduled_s, 0.0))
         if seq_len > 1:
             lat["tpot"].observe((t.last_token_s - t.first_token_s) / (seq_len - 1))
+
+    def record_core_gc(self, pauses: list[tuple[int, float]]) -> None:
+        """The core's collections since its last message: (generation, seconds) each."""
+        for generation, seconds in pauses:
+            self.core_gc[generation].observe(seconds)
 
     def record_status(self, protocol: str, code: str) -> None:
         self.status[(protocol, code)] += 1

@@ -18,6 +18,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lantau.engine.async_llm import AsyncLLM
+from lantau.metrics.gc_pauses import PROCESS_GC
 from lantau.server.auth import is_authorized, presented_key
 from lantau.server.models import ModelRouter, SingleModelRouter
 from lantau.server.observability import RequestIdMiddleware
@@ -376,7 +377,9 @@ async def serve(engine_args: dict, config: ServerConfig, repository=None) -> int
     watcher = asyncio.create_task(watch_engine())
     what, detail = banner
     print(f"lantau serving {what} on http://{config.host}:{config.port} ({detail})", flush=True)
+    PROCESS_GC.start()  # start-up's objects out of the collector's walks (gc_pauses.py)
     await server.serve()
+    PROCESS_GC.stop()
     watcher.cancel()
     if grpc_server is not None:
         await grpc_server.stop(grace=1.0)

@@ -31,6 +31,7 @@ from fastapi import APIRouter, Request
 
 from lantau.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from lantau.errors import InvalidRequestError, ModelLoadError
+from lantau.metrics.gc_pauses import PROCESS_GC
 from lantau.metrics.stats import EngineFigures, EngineMetrics, parse_buckets
 from lantau.request import SamplingParams
 from lantau.server.kserve_http import (
@@ -614,6 +615,7 @@ class ModelManager(ModelRouter):
             await ve.engine.shutdown()
         finally:
             model.retiring.remove(ve)  # its series leave /metrics
+        PROCESS_GC.collect_released()  # its frontend objects may be frozen (gc_pauses.py)
         logger.info("model %s version %d stopped", model.name, version)
 
     # -- the canary phase --------------------------------------------------------------

@@ -1,0 +1,71 @@
+"""The served processes' garbage collector (lantau/metrics/gc_pauses.py): start-up's objects
+frozen out of every collection's walk, each collection timed by generation, and the cycles of
+a released (unloaded) version's frozen objects still collected. In-process, on the real gc."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from lantau.metrics.gc_pauses import GcPauses, ProcessGc, freeze_startup_heap
+
+
+@pytest.fixture
+def thawed():
+    """Leave the test process's collector as it was: nothing frozen, no callback of ours."""
+    callbacks = list(gc.callbacks)
+    yield
+    gc.callbacks[:] = callbacks
+    gc.unfreeze()
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other = self  # a reference cycle: only the cyclic collector frees it
+
+
+def test_freeze_takes_the_heap_out_of_full_collections(thawed):
+    tracked = len(gc.get_objects())
+    frozen = freeze_startup_heap()
+    assert frozen >= tracked // 2 and gc.get_freeze_count() == frozen
+    # a full collection now walks only what was made since: none of the frozen objects
+    assert len(gc.get_objects()) < tracked // 10
+
+
+def test_pauses_are_timed_by_generation(thawed):
+    pauses = GcPauses().install()
+    gc.collect(0)
+    gc.collect(2)
+    got = pauses.drain()
+    assert [g for g, _ in got] == [0, 2] and all(s > 0 for _, s in got)
+    assert pauses.drain() == []
+    pauses.uninstall()
+    gc.collect(0)
+    assert pauses.drain() == []
+    seen = []
+    GcPauses(lambda g, s: seen.append((g, s))).install()
+    gc.collect(1)
+    assert [g for g, _ in seen] == [1] and seen[0][1] > 0
+
+
+def test_process_gc_observes_its_pauses_and_frees_released_cycles(thawed):
+    node = Node()
+    ref = weakref.ref(node)
+    process = ProcessGc()
+    process.start()
+    assert process.started and process.frozen > 0
+    assert process.histograms[2].count == 1  # the start-up heap's collection, before its freeze
+    del node  # released after the freeze: its cycle is frozen, no collection frees it
+    gc.collect()
+    assert ref() is not None
+    counts = {g: h.count for g, h in process.histograms.items()}
+    process.collect_released()  # as after a repository's version unloads
+    assert ref() is None
+    assert process.histograms[2].count >= counts[2] + 1  # that collection, timed
+    assert gc.get_freeze_count() > 0  # and the rest frozen again
+    process.stop()
+    stopped = process.histograms[0].count
+    gc.collect(0)
+    assert process.histograms[0].count == stopped
