@@ -85,7 +85,7 @@ def test_dashboard_covers_the_issue():
         "node_network_receive_bytes_total", "lantau:gateway_backend_up",
         "lantau:gateway_backend_requests_in_flight", "lantau:gateway_backend_responses_total",
         "lantau:gateway_retries_total", "lantau:gateway_failed_requests_total",
-        "lantau:gateway_request_duration_seconds_bucket",
+        "lantau:gateway_request_duration_seconds_bucket", "lantau:gc_pause_seconds_bucket",
     ):  # fmt: skip
         assert needle in exprs, needle
 

@@ -29,6 +29,7 @@ from multidict import CIMultiDict
 
 from lantau.gateway.grpc_proxy import GrpcRelay, grpc_backend
 from lantau.gateway.policy import Backend, backends_to_try, make_policy
+from lantau.metrics.gc_pauses import PROCESS_GC
 
 logger = logging.getLogger("lantau.gateway")
 
@@ -553,8 +554,14 @@ def run(config: GatewayConfig) -> None:
         "routing to %s (%s) on http://%s:%d",
         ", ".join(sources), config.policy, config.host, config.port,
     )  # fmt: skip
+    app = build_app(config)
+
+    async def freeze_startup_heap(app: web.Application) -> None:
+        PROCESS_GC.start()  # start-up's objects out of the collector's walks (gc_pauses.py)
+
+    app.on_startup.append(freeze_startup_heap)
     web.run_app(
-        build_app(config), host=config.host, port=config.port, print=None,
+        app, host=config.host, port=config.port, print=None,
         shutdown_timeout=config.drain_timeout_s, handler_cancellation=True,
         auto_decompress=False,
     )  # fmt: skip
