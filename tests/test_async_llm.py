@@ -71,10 +71,13 @@ def test_generate_stream_abort_and_failure():
     asyncio.run(main())
 
 
-def test_first_tokens_are_handed_out_before_running_streams():
-    """In a step's outputs the core lists running requests first; the frontend queues a new
-    request's first output ahead of them, so its stream resumes (and sends its first chunk)
-    before the running streams'. No core: the engine's messages are fed to it directly."""
+def test_first_tokens_are_sent_before_running_streams_are_detokenized():
+    """In a step's outputs the core lists running requests first; the frontend detokenizes
+    and queues a new request's first output, and lets its stream resume (and send its first
+    chunk), before it even detokenizes the running streams' outputs. No core: the engine's
+    messages are fed to it directly."""
+    from types import SimpleNamespace
+
     from lantau.engine.protocol import CoreOutputs, StepStats
     from lantau.outputs import RequestOutput
 
@@ -87,28 +90,40 @@ def test_first_tokens_are_handed_out_before_running_streams():
 
         engine._send = no_core
         made: dict[str, RequestOutput] = {}
-        # the core's outputs, as the processor would hand them on: one object a request
-        engine.processor.process = lambda outs: ([made[o] for o in outs], [])
-        resumed: list[str] = []
+        events: list[str] = []  # "process a b" (a detokenizing pass), "resume a" (a stream)
+
+        def process(outs):  # as the processor hands them on: one object a request
+            ids = [engine.processor.child_to_parent[o.request_id][0] for o in outs]
+            events.append("process " + " ".join(ids))
+            return [made[i] for i in ids], []
+
+        engine.processor.process = process
         params = SamplingParams(max_tokens=4, ignore_eos=True)
 
         async def stream(request_id: str) -> None:
             made[request_id] = RequestOutput(request_id, None, [5, 6])
             async for _ in engine.generate(request_id, {"prompt_token_ids": [5, 6]}, params):
-                resumed.append(request_id)
+                events.append(f"resume {request_id}")
+
+        def child(request_id: str):
+            return next(
+                c for c, (p, _) in engine.processor.child_to_parent.items() if p == request_id
+            )
 
         async def step(*request_ids: str) -> list[str]:
-            resumed.clear()
-            await engine._handle_outputs(CoreOutputs(list(request_ids), StepStats()))
+            events.clear()
+            outs = [SimpleNamespace(request_id=child(r)) for r in request_ids]
+            await engine._handle_outputs(CoreOutputs(outs, StepStats()))
             for _ in range(3):
                 await asyncio.sleep(0)
-            return list(resumed)
+            return list(events)
 
         tasks = [asyncio.create_task(stream(r)) for r in ("a", "b")]
         await asyncio.sleep(0)
-        assert await step("a") == ["a"]
-        assert await step("a", "b") == ["b", "a"]  # b's first output goes ahead of a's
-        assert await step("a", "b") == ["a", "b"]  # then the core's order again
+        assert await step("a") == ["process a", "resume a"]
+        # b's first output: detokenized, queued and sent before a's is even detokenized
+        assert await step("a", "b") == ["process b", "resume b", "process a", "resume a"]
+        assert await step("a", "b") == ["process a b", "resume a", "resume b"]  # as before
         assert engine.awaiting_first == set()
         made["a"].finished = made["b"].finished = True
         await step("a", "b")

@@ -39,6 +39,7 @@ from lantau.metrics.stats import CURRENT_REQUEST, EngineMetrics, RequestTiming
 from lantau.model.source import ModelSource, borrowed_vocab_size
 from lantau.outputs import RequestOutput
 from lantau.request import FinishReason, SamplingParams, validate_prompt
+from lantau.scheduler.output import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
@@ -327,12 +328,21 @@ class AsyncLLM:
         if self.timings:
             self._note_first(msg.received, "received_s")
             self._note_first(msg.scheduled, "scheduled_s")
-        outputs, stopped = self.processor.process(msg.outputs)
+        core_outputs = msg.outputs
+        if self.awaiting_first:
+            first, rest = self._split_first_tokens(core_outputs)
+            if first and rest:
+                await self._deliver(first)
+                await asyncio.sleep(0)  # their streams send their first chunks now
+                core_outputs = rest
+        await self._deliver(core_outputs)
+
+    async def _deliver(self, core_outputs: list[EngineCoreOutput]) -> None:
+        """Detokenize core outputs and queue them to their streams."""
+        outputs, stopped = self.processor.process(core_outputs)
         if stopped:
             await self._send(AbortRequests(stopped, FinishReason.STOP))
         now, timings = self.last_report, self.timings
-        if self.awaiting_first:
-            outputs = self._first_tokens_first(outputs)
         for output in outputs:
             queue = self.queues.get(output.request_id)
             if queue is not None:
@@ -345,17 +355,21 @@ class AsyncLLM:
                     timing.first_token_s = now
                 timing.last_token_s = now
 
-    def _first_tokens_first(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """The step's first outputs of requests before the running streams' next ones: the
-        streams resume in the order their outputs are queued, and a new request's time to
-        first token should not wait behind every running stream's SSE chunk."""
-        waiting = self.awaiting_first
-        first = [o for o in outputs if o.request_id in waiting]
-        if not first:
-            return outputs
-        new_ids = {o.request_id for o in first}
-        waiting -= new_ids
-        return first + [o for o in outputs if o.request_id not in new_ids]
+    def _split_first_tokens(self, core_outputs: list[EngineCoreOutput]):
+        """(the first outputs of new requests, the running streams' next ones). The first
+        ones are detokenized, queued and sent before the rest are even detokenized: a new
+        request's time to first token waits behind no running stream (with 20 streams on
+        the H200, W1-16 spent 1.0 ms from a first token's arrival to its bytes sent)."""
+        waiting, parents = self.awaiting_first, self.processor.child_to_parent
+        first, rest = [], []
+        for core_out in core_outputs:
+            parent = parents.get(core_out.request_id)
+            if parent is not None and parent[0] in waiting:
+                first.append(core_out)
+            else:
+                rest.append(core_out)
+        waiting.difference_update(parents[o.request_id][0] for o in first)
+        return first, rest
 
     def _note_first(self, times: dict[str, float], field: str) -> None:
         """The core's times by child id (when it took each request, when it first scheduled
