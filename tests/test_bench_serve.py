@@ -448,6 +448,10 @@ def test_against_lantau_serve(tmp_path):
     assert b["server_http_in_ms"] > 0 and b["server_http_first_chunk_ms"] > 0
     assert b["outside_server_ttft_ms"] < b["outside_engine_ttft_ms"]
     assert b["engine_steps"] >= 4 and b["step_ms"] > 0 and b["tokens_per_step"] > 0
+    # the garbage collector over the run, both processes (their start-up heaps frozen first)
+    for process in ("core", "frontend"):
+        assert b[f"{process}_gc_paused_ms"] >= 0 and b[f"{process}_gc_full_collections"] >= 0
+    assert "garbage collection over the run: engine cores" in (tmp_path / "report.md").read_text()
     for name in ("report.md", "report.html", "latency_cdf.png"):
         assert (tmp_path / name).exists()
 

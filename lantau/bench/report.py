@@ -143,6 +143,14 @@ def _breakdown_blocks(run: dict) -> list[Block]:
     ]
     note = (f"{b['engine_steps']:.0f} engine steps, {_fmt(b['tokens_per_step'], 1)} tokens "
             "sampled a step; server figures from its /metrics histograms over the run")  # fmt: skip
+    gc = [
+        f"{who} {_fmt(b[f'{process}_gc_paused_ms'], 1)} ms paused "
+        f"({_fmt(b[f'{process}_gc_full_collections'], 0)} full collections)"
+        for process, who in (("core", "engine cores"), ("frontend", "frontend"))
+        if _fmt(b.get(f"{process}_gc_paused_ms")) != "-"  # the server exports them
+    ]
+    if gc:
+        note += "; garbage collection over the run: " + ", ".join(gc)
     return [("h2", "Where the time went (means)"), ("table", ["stage", "ms"], rows), ("p", note)]
 
 

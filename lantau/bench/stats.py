@@ -183,14 +183,28 @@ def series_rise(series: dict[str, dict], name: str) -> float:
     return sum(v.get("delta", 0.0) for key, v in series.items() if key.split("{", 1)[0] == name)
 
 
+def gc_rise(series: dict[str, dict], suffix: str, process: str, generation: str = "") -> float:
+    """lantau:gc_pause_seconds_{suffix}'s rise over the run in one kind of process (`core`,
+    `frontend`), one generation or all; nan when the server exports none."""
+    name, found, total = "lantau:gc_pause_seconds_" + suffix, False, 0.0
+    for key, value in series.items():
+        if key.split("{", 1)[0] != name or f'process="{process}"' not in key:
+            continue
+        if generation and f'generation="{generation}"' not in key:
+            continue
+        found, total = True, total + value.get("delta", 0.0)
+    return total if found else math.nan
+
+
 def time_breakdown(summary: ServeSummary, series: dict[str, dict]) -> dict[str, float] | None:
     """Where a request's time went, means in ms: the server's own histograms over the run
     (queue, of which dispatch to the engine core, then prefill: together its TTFT) against the
     TTFT the client saw; the difference is spent outside the engine: in the server's HTTP
     layer before the engine (http_in) and between the first token and its bytes sent
     (http_first_chunk, streams), the rest in the network and the client. With
-    the engine's steps (count, mean wall time, tokens sampled a step). None when the server
-    exports none of lantau's histograms."""
+    the engine's steps (count, mean wall time, tokens sampled a step) and the garbage
+    collector's pauses over the run (ms in all, full collections) in the engine cores and the
+    frontend. None when the server exports none of lantau's histograms."""
 
     def mean_ms(name: str) -> float:
         count = series_rise(series, name + "_count")
@@ -218,4 +232,12 @@ def time_breakdown(summary: ServeSummary, series: dict[str, dict]) -> dict[str, 
         "engine_steps": steps,
         "step_ms": 1000 * step_s / steps if steps else math.nan,
         "tokens_per_step": tokens / steps if steps else math.nan,
+        **{
+            f"{process}_{key}": value
+            for process in ("core", "frontend")
+            for key, value in (
+                ("gc_paused_ms", 1000 * gc_rise(series, "sum", process)),
+                ("gc_full_collections", gc_rise(series, "count", process, "2")),
+            )
+        },
     }
