@@ -130,10 +130,11 @@ def chat(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     import asyncio
+    import time
 
     from lantau.metrics.stats import parse_buckets
-    from lantau.server.app import ServerConfig, serve
 
+    started = time.perf_counter()
     try:
         parse_buckets(args.metrics_buckets or [])
     except ValueError as e:
@@ -143,6 +144,17 @@ def serve(args: argparse.Namespace) -> int:
     if isinstance(repository, str):
         print(f"lantau serve: {repository}", file=sys.stderr)
         return 2
+    engine_args = serve_engine_args(args)
+    early = None
+    if repository is None:  # the engine core starts while the web stack below imports
+        from lantau.engine.args import build_engine_config
+        from lantau.engine.async_llm import spawn_core
+
+        core_args = dict(engine_args)
+        engine_config, source = build_engine_config(core_args.pop("model"), **core_args)
+        early = (engine_config, source, spawn_core(engine_config, source))
+    from lantau.server.app import ServerConfig, serve
+
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -159,14 +171,13 @@ def serve(args: argparse.Namespace) -> int:
         metrics_buckets=tuple(args.metrics_buckets or ()),
         log_requests=args.log_requests,
     )
-    engine_args = serve_engine_args(args)
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(serve(engine_args, config, repository))
+    return asyncio.run(serve(engine_args, config, repository, early, started))
 
 
 def serve_engine_args(args: argparse.Namespace) -> dict:

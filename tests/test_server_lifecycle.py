@@ -116,3 +116,31 @@ def test_engine_death_fails_readiness_and_exits_nonzero(make_server):
         time.sleep(0.1)
     assert saw_unready
     assert server.proc.wait(timeout=15) != 0
+
+
+_SPAWN_ORDER = """
+import sys
+import lantau.engine.async_llm as async_llm
+
+def spawn_core(config, source):
+    first = "web stack imported" if "lantau.server.app" in sys.modules else "core first"
+    print(first, config.model)
+    raise SystemExit(0)
+
+async_llm.spawn_core = spawn_core
+from lantau.cli import main
+main(["serve", "random:tiny", "--device", "cpu", "--port", "0"])
+"""
+
+
+def test_serve_spawns_the_engine_core_before_importing_the_web_stack():
+    """`lantau serve MODEL` starts its engine core before it imports the server (FastAPI,
+    uvicorn, gRPC, prometheus_client): the core's start runs beside those imports, which from
+    a cold disk take seconds (CPU, all cold: ready 3.23 -> 2.93 s median)."""
+    import subprocess
+    import sys
+
+    code = [sys.executable, "-c", _SPAWN_ORDER]
+    done = subprocess.run(code, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "core first random:tiny"

@@ -16,6 +16,7 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable
+from typing import NamedTuple
 
 import jinja2
 import msgspec
@@ -68,6 +69,40 @@ class EngineOverloadedError(RuntimeError):
     """Admission refused: too many requests or prompt tokens already pending."""
 
 
+class SpawnedCore(NamedTuple):
+    """An engine core process started by spawn_core, not yet talked to."""
+
+    process: multiprocessing.process.BaseProcess
+    ipc_dir: str  # its two sockets' folder
+    started: float  # time.perf_counter() of the spawn
+
+    @property
+    def in_addr(self) -> str:
+        return f"ipc://{self.ipc_dir}/in"
+
+    @property
+    def out_addr(self) -> str:
+        return f"ipc://{self.ipc_dir}/out"
+
+
+def spawn_core(config: EngineConfig, source: ModelSource) -> SpawnedCore:
+    """Start an engine core process for `config`. Its sockets connect to addresses that
+    AsyncLLM.start binds later (ZeroMQ connects before a bind and delivers once it is there),
+    so `lantau serve` spawns it before importing its web stack: the core's start (imports,
+    CUDA context, weights) runs beside those imports."""
+    ipc_dir = tempfile.mkdtemp(prefix="lantau-")
+    core = SpawnedCore(None, ipc_dir, 0.0)
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core,
+        args=(config, source, core.in_addr, core.out_addr),
+        name="lantau-engine-core",
+        daemon=True,
+    )
+    started = time.perf_counter()
+    process.start()
+    return core._replace(process=process, started=started)
+
+
 class AsyncLLM:
     def __init__(
         self,
@@ -108,27 +143,24 @@ class AsyncLLM:
         # a text longer than this cannot fit max_model_len tokens: refused before tokenizing
         self.max_prompt_chars = self.max_model_len * max_token_bytes(tokenizer)
 
-    async def start(self, timeout_s: float = 600.0, tokenizer: Awaitable | None = None) -> None:
-        """Spawn the core process and wait until its model is loaded. `tokenizer`: one still
-        loading (an awaitable), taken once the core is spawned, so the two load together."""
-        self._ipc_dir = tempfile.mkdtemp(prefix="lantau-")
-        in_addr = f"ipc://{self._ipc_dir}/in"
-        out_addr = f"ipc://{self._ipc_dir}/out"
+    async def start(
+        self,
+        timeout_s: float = 600.0,
+        tokenizer: Awaitable | None = None,
+        core: SpawnedCore | None = None,
+    ) -> None:
+        """Spawn the core process (or take `core`, spawned earlier with this engine's config)
+        and wait until its model is loaded. `tokenizer`: one still loading (an awaitable),
+        taken once the core is spawned, so the two load together."""
+        core = core or spawn_core(self.config, self.source)
+        self.process, self._ipc_dir = core.process, core.ipc_dir
         self._ctx = zmq.asyncio.Context()
         self._ctx.setsockopt(zmq.LINGER, 0)  # never wait on a dead core at exit
         self._in = self._ctx.socket(zmq.PUSH)
-        self._in.bind(in_addr)
+        self._in.bind(core.in_addr)
         self._out = self._ctx.socket(zmq.PULL)
-        self._out.bind(out_addr)
-        mp = multiprocessing.get_context("spawn")
-        self.process = mp.Process(
-            target=run_engine_core,
-            args=(self.config, self.source, in_addr, out_addr),
-            name="lantau-engine-core",
-            daemon=True,
-        )
-        start = time.perf_counter()
-        self.process.start()
+        self._out.bind(core.out_addr)
+        start = core.started
         if tokenizer is not None:
             self.set_tokenizer(await tokenizer)
             self.startup_s["tokenizer"] = time.perf_counter() - start

@@ -269,13 +269,19 @@ def describe_startup(stages: dict[str, float]) -> str:
     )
 
 
-async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: float):
-    """`lantau serve MODEL`: one engine core, the tokenizer loading while it starts."""
+async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: float, early):
+    """`lantau serve MODEL`: one engine core, the tokenizer loading while it starts. `early`:
+    (engine config, model source, SpawnedCore) when the core was spawned before this module's
+    imports (cli.serve), else None."""
     from lantau.engine.args import build_engine_config
     from lantau.metrics.stats import EngineMetrics, parse_buckets
     from lantau.model.source import load_tokenizer
 
-    engine_config, source = build_engine_config(engine_args.pop("model"), **engine_args)
+    if early is None:
+        engine_config, source = build_engine_config(engine_args.pop("model"), **engine_args)
+        core = None
+    else:
+        engine_config, source, core = early
     metrics = None
     if config.enable_metrics:
         metrics = EngineMetrics(
@@ -283,7 +289,9 @@ async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: f
             engine_config.scheduler.max_model_len,
             parse_buckets(list(config.metrics_buckets)),
         )
-    startup = {"config": time.perf_counter() - started}
+    # the config's stage ends where the core's starts (with `early`, before the web stack's
+    # imports, which then run beside the core's start)
+    startup = {"config": (core.started if core is not None else time.perf_counter()) - started}
     engine = AsyncLLM(
         engine_config,
         source,
@@ -293,7 +301,7 @@ async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: f
         live_max_silence_s=config.live_max_silence_s,
         metrics=metrics,
     )
-    await engine.start(tokenizer=asyncio.to_thread(load_tokenizer, source))
+    await engine.start(tokenizer=asyncio.to_thread(load_tokenizer, source), core=core)
     engine.startup_s = {"total": time.perf_counter() - started, **startup, **engine.startup_s}
     cache = engine.config.cache
     kv = f"KV cache {engine.num_blocks * cache.block_size:,} tokens, {cache.kv_cache_dtype}"
@@ -328,19 +336,23 @@ async def _start_repository(engine_args: dict, config: ServerConfig, options, st
     )
 
 
-async def serve(engine_args: dict, config: ServerConfig, repository=None) -> int:
+async def serve(
+    engine_args: dict, config: ServerConfig, repository=None, early=None, started: float = 0.0
+) -> int:
     """Start the engine (or a repository's), serve until stopped; non-zero when a fixed
-    model's engine died under us. `repository`: model_control.RepositoryOptions."""
+    model's engine died under us. `repository`: model_control.RepositoryOptions; `early`:
+    a fixed model's core spawned already (_start_fixed_model); `started`: time.perf_counter()
+    of the command's start (default: now)."""
     import uvicorn
 
     from lantau.server.observability import enable_request_log
 
-    started = time.perf_counter()
+    started = started or time.perf_counter()
     if config.log_requests:
         enable_request_log()
     state = ServerState()
     if repository is None:
-        engine, banner = await _start_fixed_model(engine_args, config, started)
+        engine, banner = await _start_fixed_model(engine_args, config, started, early)
         app, control, metrics = build_app(engine, config, state), None, engine.metrics
     else:
         control, banner = await _start_repository(engine_args, config, repository, started)
