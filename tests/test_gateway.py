@@ -540,6 +540,8 @@ def test_a_replica_killed_under_load_loses_no_request(replicas):
         retried = sum(v for k, v in m.items() if k.startswith("lantau:gateway_retries_total"))
         assert retried >= 2
         assert survivor.num_running() == 0
+        # the gateway froze its start-up objects: its one full collection, timed, came first
+        assert m['lantau:gc_pause_seconds_count{generation="2",process="gateway"}'] >= 1
     finally:
         proc.kill()
         proc.communicate(timeout=30)

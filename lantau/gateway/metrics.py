@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from lantau.metrics.gc_pauses import PROCESS_GC
 from lantau.metrics.prometheus import (
     CONTENT_TYPE_LATEST,
     counter_family,
@@ -79,6 +80,13 @@ class GatewayCollector:
             "that answered.",
             b, [((x.url,), x.duration) for x in backends],
         )  # fmt: skip
+        if PROCESS_GC.started:  # `lantau route`'s own collections (lantau/metrics/gc_pauses.py)
+            yield histogram_family(
+                "lantau:gc_pause_seconds",
+                "Time a garbage collection stopped the gateway, by the collector's generation.",
+                ["process", "generation"],
+                [(("gateway", str(g)), h) for g, h in PROCESS_GC.histograms.items()],
+            )
 
 
 def render_gateway_metrics(gateway: Gateway) -> tuple[bytes, str]:
