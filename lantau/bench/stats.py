@@ -177,23 +177,28 @@ SERVER_LATENCIES = {
 }
 
 
-def series_rise(series: dict[str, dict], name: str) -> float:
+def _matching(series: dict[str, dict], name: str, labels: dict[str, str]) -> list[dict]:
+    """The series of metric `name` whose labels include `labels`."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    return [
+        v for key, v in series.items()
+        if key.split("{", 1)[0] == name and all(w in key for w in wanted)
+    ]  # fmt: skip
+
+
+def series_rise(series: dict[str, dict], name: str, **labels: str) -> float:
     """A counter's rise over the run (MetricsSampler.summary()["series"]), summed over its
-    label sets (models, versions)."""
-    return sum(v.get("delta", 0.0) for key, v in series.items() if key.split("{", 1)[0] == name)
+    label sets (models, versions) that carry `labels`."""
+    return sum(v.get("delta", 0.0) for v in _matching(series, name, labels))
 
 
-def gc_rise(series: dict[str, dict], suffix: str, process: str, generation: str = "") -> float:
+def gc_rise(series: dict[str, dict], suffix: str, process: str, **labels: str) -> float:
     """lantau:gc_pause_seconds_{suffix}'s rise over the run in one kind of process (`core`,
-    `frontend`), one generation or all; nan when the server exports none."""
-    name, found, total = "lantau:gc_pause_seconds_" + suffix, False, 0.0
-    for key, value in series.items():
-        if key.split("{", 1)[0] != name or f'process="{process}"' not in key:
-            continue
-        if generation and f'generation="{generation}"' not in key:
-            continue
-        found, total = True, total + value.get("delta", 0.0)
-    return total if found else math.nan
+    `frontend`); nan when the server exports none."""
+    name = "lantau:gc_pause_seconds_" + suffix
+    if not _matching(series, name, {"process": process}):
+        return math.nan
+    return series_rise(series, name, process=process, **labels)
 
 
 def time_breakdown(summary: ServeSummary, series: dict[str, dict]) -> dict[str, float] | None:
@@ -237,7 +242,7 @@ def time_breakdown(summary: ServeSummary, series: dict[str, dict]) -> dict[str, 
             for process in ("core", "frontend")
             for key, value in (
                 ("gc_paused_ms", 1000 * gc_rise(series, "sum", process)),
-                ("gc_full_collections", gc_rise(series, "count", process, "2")),
+                ("gc_full_collections", gc_rise(series, "count", process, generation="2")),
             )
         },
     }

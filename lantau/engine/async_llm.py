@@ -393,14 +393,15 @@ class AsyncLLM:
         request's time to first token waits behind no running stream (with 20 streams on
         the H200, W1-16 spent 1.0 ms from a first token's arrival to its bytes sent)."""
         waiting, parents = self.awaiting_first, self.processor.child_to_parent
-        first, rest = [], []
+        first, rest, started = [], [], set()
         for core_out in core_outputs:
-            parent = parents.get(core_out.request_id)
-            if parent is not None and parent[0] in waiting:
+            parent = parents.get(core_out.request_id, (None,))[0]
+            if parent in waiting:
                 first.append(core_out)
+                started.add(parent)
             else:
                 rest.append(core_out)
-        waiting.difference_update(parents[o.request_id][0] for o in first)
+        waiting -= started
         return first, rest
 
     def _note_first(self, times: dict[str, float], field: str) -> None:

@@ -11,6 +11,7 @@ from lantau.metrics.prometheus import (
     CONTENT_TYPE_LATEST,
     counter_family,
     gauge_family,
+    gc_pause_family,
     histogram_family,
     render_collectors,
 )
@@ -81,12 +82,7 @@ class GatewayCollector:
             b, [((x.url,), x.duration) for x in backends],
         )  # fmt: skip
         if PROCESS_GC.started:  # `lantau route`'s own collections (lantau/metrics/gc_pauses.py)
-            yield histogram_family(
-                "lantau:gc_pause_seconds",
-                "Time a garbage collection stopped the gateway, by the collector's generation.",
-                ["process", "generation"],
-                [(("gateway", str(g)), h) for g, h in PROCESS_GC.histograms.items()],
-            )
+            yield gc_pause_family([], [(["gateway"], PROCESS_GC.histograms)])
 
 
 def render_gateway_metrics(gateway: Gateway) -> tuple[bytes, str]:

@@ -26,7 +26,8 @@ from lantau.metrics.gpu import GpuReader
 from lantau.metrics.stats import EngineFigures
 
 __all__ = [
-    "CONTENT_TYPE_LATEST", "MetricsExporter", "counter_family", "gauge_family", "render_collectors"
+    "CONTENT_TYPE_LATEST", "MetricsExporter", "counter_family", "gauge_family", "gc_pause_family",
+    "render_collectors",
 ]  # fmt: skip
 
 # histogram name -> (EngineMetrics.latency key, help)
@@ -76,6 +77,23 @@ def histogram_family(name: str, doc: str, label_names: list[str], samples) -> Me
 
 def _bound_text(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def gc_pause_family(label_names: list[str], processes) -> Metric:
+    """lantau:gc_pause_seconds from (label values ending with the process kind, its
+    histograms by generation) pairs: `label_names`, then process and generation."""
+    samples = [
+        ([*labels, str(generation)], hist)
+        for labels, histograms in processes
+        for generation, hist in histograms.items()
+    ]
+    return histogram_family(
+        "lantau:gc_pause_seconds",
+        "Time a garbage collection stopped its process (engine core, frontend or gateway), by "
+        "the collector's generation (2: a full collection).",
+        [*label_names, "process", "generation"],
+        samples,
+    )
 
 
 def counter_family(name: str, doc: str, label_names: list[str], samples) -> Metric:
@@ -194,22 +212,10 @@ class EngineCollector:
     def _gc_pauses(self, engines) -> Metric:
         """Each engine core's collections, and this frontend's own (its engine labels empty)
         once it froze its start-up heap."""
-        samples = [
-            ([*k, "core", str(generation)], hist)
-            for k, f in engines
-            for generation, hist in f.metrics.core_gc.items()
-        ]
+        samples = [([*k, "core"], f.metrics.core_gc) for k, f in engines]
         if PROCESS_GC.started:
-            blank = [""] * len(self.label_names)
-            for generation, hist in PROCESS_GC.histograms.items():
-                samples.append(([*blank, "frontend", str(generation)], hist))
-        return histogram_family(
-            "lantau:gc_pause_seconds",
-            "Time a garbage collection stopped its process (engine core or frontend), by the "
-            "collector's generation (2: a full collection).",
-            [*self.label_names, "process", "generation"],
-            samples,
-        )
+            samples.append(([""] * len(self.label_names) + ["frontend"], PROCESS_GC.histograms))
+        return gc_pause_family(self.label_names, samples)
 
     def _statuses(self, sources: list[EngineFigures]) -> Iterator[Metric]:
         """Answers by status, of every source: a repository's requests that no version took

@@ -181,12 +181,7 @@ class LlamaForCausalLM(nn.Module):
         no torch add between the PDL launches around it). out: a [>= num_tokens, vocab_size]
         buffer whose first rows take the logits (returned), as the CUDA graphs' one a turn."""
         hidden = self(input_ids, ctx, pick, final_norm=True)
-        if out is None:
-            return self.ops.linear(hidden, self.lm_head)
-        out = out[: len(hidden)]
-        if len(hidden) == 1:  # the GEMV's row (TritonOps.linear), 1 / vocab_size of a copy
-            return out.copy_(self.ops.linear(hidden, self.lm_head))
-        return torch.mm(hidden, self.lm_head.weight.t(), out=out)  # F.linear's own GEMM
+        return self.ops.linear(hidden, self.lm_head, None if out is None else out[: len(hidden)])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, vocab_size]: the final norm and lm_head on rows of forward's output."""

@@ -68,8 +68,13 @@ class TorchOps(_Compositions):
     # where pick_src[i] >= 0 (a token the previous step sampled on the device)
     embed = staticmethod(ref.embedding_ref)
 
-    # F.linear, or for an fp8 layer _scaled_mm's product emulated in fp32
-    linear = staticmethod(fp8.linear_ref)
+    @staticmethod
+    def linear(x, layer, out: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear, or for an fp8 layer _scaled_mm's product emulated in fp32; written into
+        `out` (returned) when given."""
+        y = fp8.linear_ref(x, layer)
+        return y if out is None else out.copy_(y)
+
     rms_norm = staticmethod(ref.rms_norm_ref)
     add_rms_norm = staticmethod(ref.add_rms_norm_ref)  # (rms_norm(x + residual), x + residual)
     rotary = staticmethod(ref.rotary_ref)
@@ -121,13 +126,24 @@ class TritonOps(_Compositions):
         """TorchOps.embed in one launch, the pick included."""
         return self._embedding.embedding(input_ids, weight, pick_src, prev_ids, self._pdl)
 
-    def linear(self, x: torch.Tensor, layer: torch.nn.Linear | fp8.Fp8Linear) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        layer: torch.nn.Linear | fp8.Fp8Linear,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x @ W^T (+ b); written into `out` (returned) when given: the CUDA graphs' logits
+        buffer (cuda_graph.py), which a plain layer's GEMM writes directly."""
         if self.config.enable_gemv and x.shape[0] == 1:
-            return self._gemv_linear(x, layer)
-        if isinstance(layer, fp8.Fp8Linear):  # x quantized by token in one launch
+            y = self._gemv_linear(x, layer)
+        elif isinstance(layer, fp8.Fp8Linear):  # x quantized by token in one launch
             xq, xs = self._fp8_quant.quantize_rows(x, use_pdl=self._pdl)
-            return fp8.fp8_linear_scaled_mm(x, layer, xq, xs)
-        return F.linear(x, layer.weight, layer.bias)
+            y = fp8.fp8_linear_scaled_mm(x, layer, xq, xs)
+        elif out is not None and layer.bias is None:
+            return torch.mm(x, layer.weight.t(), out=out)  # F.linear's own GEMM
+        else:
+            y = F.linear(x, layer.weight, layer.bias)
+        return y if out is None else out.copy_(y)
 
     def _gemv_linear(self, x, layer, gated: bool = False) -> torch.Tensor:
         """An fp8 layer's e4m3 weight read as it is, its row scales applied after the sum."""
