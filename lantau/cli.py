@@ -145,14 +145,18 @@ def serve(args: argparse.Namespace) -> int:
         print(f"lantau serve: {repository}", file=sys.stderr)
         return 2
     engine_args = serve_engine_args(args)
-    early = None
-    if repository is None:  # the engine core starts while the web stack below imports
+    early = None  # the engine core starts while the web stack below imports
+    if repository is None:
         from lantau.engine.args import build_engine_config
         from lantau.engine.async_llm import spawn_core
 
         core_args = dict(engine_args)
         engine_config, source = build_engine_config(core_args.pop("model"), **core_args)
         early = (engine_config, source, spawn_core(engine_config, source))
+    elif repository.control_mode != "explicit" or repository.load_models:
+        from lantau.engine.async_llm import spawn_core
+
+        early = spawn_core(None, None)  # a standby: the first version started takes it
     from lantau.server.app import ServerConfig, serve
 
     config = ServerConfig(
@@ -221,7 +225,7 @@ def _repository_options(args: argparse.Namespace):
         return None
     if args.model and args.model_repository:
         return "give a MODEL or --model-repository, not both"
-    from lantau.server.model_control import RepositoryOptions
+    from lantau.server.repository import RepositoryOptions
 
     if not Path(path).is_dir():
         return f"--model-repository: {path}: no such folder"

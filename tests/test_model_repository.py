@@ -485,3 +485,52 @@ def test_metrics_per_model_and_version(tmp_path, built):
                       role="primary") == 1  # fmt: skip
     finally:
         server.close()
+
+
+def test_standby_core_taken_by_the_first_version_or_stopped(tmp_path, built):
+    """`lantau serve --model-repository` spawns an engine core before its web stack imports
+    (cli.serve): the first version started takes it, told its config then; a start that loads
+    nothing (a bad config) stops it, its socket folder gone."""
+    import asyncio
+
+    from lantau.engine.async_llm import spawn_core
+    from lantau.request import SamplingParams
+    from lantau.server.app import ServerConfig
+    from lantau.server.model_control import ModelManager
+    from lantau.server.repository import RepositoryOptions
+
+    repo = tmp_path / "repo"
+    shutil.copytree(built / "v1", repo / "tiny" / "1")
+    (repo / "tiny" / "config.pbtxt").write_text(CONFIG)
+    shutil.copytree(built / "v1", repo / "badcfg" / "1")
+    (repo / "badcfg" / "config.pbtxt").write_text("max_batch_size: 4\nfoo: 1\n")
+
+    async def start(name: str):
+        standby = spawn_core(None, None)
+        options = RepositoryOptions(repo, "explicit", (name,))
+        manager = ModelManager(options, {"device": "cpu"}, ServerConfig(), None, standby)
+        await manager.start()
+        return standby, manager
+
+    async def serve_one():
+        standby, manager = await start("tiny")
+        try:
+            engine = manager.models["tiny"].engine
+            assert engine.process is standby.process and manager.standby is None
+            params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+            async for out in engine.generate("r", {"prompt_token_ids": [1, 2, 3]}, params):
+                pass
+            return len(out.outputs[0].token_ids)
+        finally:
+            await manager.shutdown()
+
+    assert asyncio.run(serve_one()) == 5
+
+    async def load_nothing():
+        standby, manager = await start("badcfg")
+        await manager.shutdown()
+        return standby, manager
+
+    standby, manager = asyncio.run(load_nothing())
+    assert manager.names() == [] and manager.standby is None
+    assert not standby.process.is_alive() and not os.path.exists(standby.ipc_dir)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import pickle
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -75,6 +76,7 @@ class SpawnedCore(NamedTuple):
     process: multiprocessing.process.BaseProcess
     ipc_dir: str  # its two sockets' folder
     started: float  # time.perf_counter() of the spawn
+    standby: bool = False  # spawned without a config: AsyncLLM.start sends it one
 
     @property
     def in_addr(self) -> str:
@@ -85,13 +87,15 @@ class SpawnedCore(NamedTuple):
         return f"ipc://{self.ipc_dir}/out"
 
 
-def spawn_core(config: EngineConfig, source: ModelSource) -> SpawnedCore:
+def spawn_core(config: EngineConfig | None, source: ModelSource | None) -> SpawnedCore:
     """Start an engine core process for `config`. Its sockets connect to addresses that
     AsyncLLM.start binds later (ZeroMQ connects before a bind and delivers once it is there),
     so `lantau serve` spawns it before importing its web stack: the core's start (imports,
-    CUDA context, weights) runs beside those imports."""
+    CUDA context, weights) runs beside those imports. `config` None: a standby core, which
+    imports the engine while the config is decided (a repository's versions: config.pbtxt,
+    the manifest) and takes it as its first message."""
     ipc_dir = tempfile.mkdtemp(prefix="lantau-")
-    core = SpawnedCore(None, ipc_dir, 0.0)
+    core = SpawnedCore(None, ipc_dir, 0.0, standby=config is None)
     process = multiprocessing.get_context("spawn").Process(
         target=run_engine_core,
         args=(config, source, core.in_addr, core.out_addr),
@@ -149,9 +153,10 @@ class AsyncLLM:
         tokenizer: Awaitable | None = None,
         core: SpawnedCore | None = None,
     ) -> None:
-        """Spawn the core process (or take `core`, spawned earlier with this engine's config)
-        and wait until its model is loaded. `tokenizer`: one still loading (an awaitable),
-        taken once the core is spawned, so the two load together."""
+        """Spawn the core process (or take `core`, spawned earlier with this engine's config,
+        or a standby, sent the config here) and wait until its model is loaded. `tokenizer`:
+        one still loading (an awaitable), taken once the core is spawned, so the two load
+        together."""
         core = core or spawn_core(self.config, self.source)
         self.process, self._ipc_dir = core.process, core.ipc_dir
         self._ctx = zmq.asyncio.Context()
@@ -160,6 +165,8 @@ class AsyncLLM:
         self._in.bind(core.in_addr)
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(core.out_addr)
+        if core.standby:  # NOTE: pickle: the spawn pickles the config the same way
+            await self._in.send(pickle.dumps((self.config, self.source)))
         start = core.started
         if tokenizer is not None:
             self.set_tokenizer(await tokenizer)

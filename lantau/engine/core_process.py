@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -108,9 +109,11 @@ def core_stats(core: EngineCore, clock: StepClock) -> StepStats:
 
 
 def run_engine_core(
-    config: EngineConfig, source: ModelSource, input_addr: str, output_addr: str
+    config: EngineConfig | None, source: ModelSource | None, input_addr: str, output_addr: str
 ) -> None:
-    """Process entry point. Exits when the frontend process goes away, however it went."""
+    """Process entry point. Exits when the frontend process goes away, however it went.
+    `config` None: a standby core (async_llm.spawn_core), which takes its config and source
+    as the first message."""
     parent = os.getppid()
     # NOTE: Ctrl-C reaches the whole process group; the frontend drains, then stops the core
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -127,6 +130,8 @@ def run_engine_core(
         from lantau.engine.core import EngineCore
         from lantau.model.kernel_cache import seed_engine_kernels
 
+        if config is None:  # a standby: the imports above ran while the frontend chose
+            config, source = pickle.loads(in_sock.recv())
         seeded = seed_engine_kernels(source, config.device)  # before the first Triton compile
         core = EngineCore(config, source, paced=True)
     except Exception as e:  # report why, then exit: the frontend fails its start with it

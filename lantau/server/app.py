@@ -311,8 +311,12 @@ async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: f
     )
 
 
-async def _start_repository(engine_args: dict, config: ServerConfig, options, started: float):
-    """`lantau serve --model-repository REPO`: the models its control mode loads at start."""
+async def _start_repository(
+    engine_args: dict, config: ServerConfig, options, started: float, standby
+):
+    """`lantau serve --model-repository REPO`: the models its control mode loads at start.
+    `standby`: a SpawnedCore without a config, spawned before this module's imports (cli.serve),
+    or None."""
     from lantau.metrics.stats import EngineMetrics
     from lantau.server.model_control import ModelManager
 
@@ -326,7 +330,7 @@ async def _start_repository(engine_args: dict, config: ServerConfig, options, st
     # NOTE: the server's own figures: answers to requests no version took (each version's
     # engine has its figures, labelled with its model and version); no model: labels empty
     metrics = EngineMetrics("", 1, model_version="") if config.enable_metrics else None
-    manager = ModelManager(options, engine_args, config, metrics)
+    manager = ModelManager(options, engine_args, config, metrics, standby)
     await manager.start()
     loaded = ", ".join(f"{n} v{manager.models[n].versions()[0]}" for n in manager.names())
     took = time.perf_counter() - started
@@ -341,8 +345,8 @@ async def serve(
 ) -> int:
     """Start the engine (or a repository's), serve until stopped; non-zero when a fixed
     model's engine died under us. `repository`: model_control.RepositoryOptions; `early`:
-    a fixed model's core spawned already (_start_fixed_model); `started`: time.perf_counter()
-    of the command's start (default: now)."""
+    a fixed model's core spawned already (_start_fixed_model), or a repository's standby core
+    (_start_repository); `started`: time.perf_counter() of the command's start (default: now)."""
     import uvicorn
 
     from lantau.server.observability import enable_request_log
@@ -355,7 +359,7 @@ async def serve(
         engine, banner = await _start_fixed_model(engine_args, config, started, early)
         app, control, metrics = build_app(engine, config, state), None, engine.metrics
     else:
-        control, banner = await _start_repository(engine_args, config, repository, started)
+        control, banner = await _start_repository(engine_args, config, repository, started, early)
         app, metrics = build_app(control, config, state, control), control.metrics
     router: ModelRouter = app.state.router
     grpc_server = None

@@ -21,15 +21,20 @@ import collections
 import contextlib
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import orjson
 from fastapi import APIRouter, Request
 
-from lantau.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from lantau.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    SpawnedCore,
+)
 from lantau.errors import InvalidRequestError, ModelLoadError
 from lantau.metrics.gc_pauses import PROCESS_GC
 from lantau.metrics.stats import EngineFigures, EngineMetrics, parse_buckets
@@ -44,26 +49,22 @@ from lantau.server.kserve_http import (
 )
 from lantau.server.models import ModelRouter, ServedModel
 from lantau.server.repo_config import ModelConfigError, RepoModelConfig, read_model_config
-from lantau.server.repository import ModelRepository, bad_name_reason
+from lantau.server.repository import (
+    CONTROL_MODES,
+    ModelRepository,
+    RepositoryOptions,
+    bad_name_reason,
+)
 
 if TYPE_CHECKING:
     from lantau.server.app import ServerConfig
 
 logger = logging.getLogger("lantau.repository")
 
-CONTROL_MODES = ("none", "poll", "explicit")
 CANARY_PROMPT = {"prompt_token_ids": [1, 2, 3, 4]}
 CANARY_TIMEOUT_S = 120.0
 # a side-by-side start that fails for want of memory is retried drain-first
 OUT_OF_MEMORY_HINTS = ("out of memory", "outofmemory", "the kv cache holds")
-
-
-@dataclass(frozen=True)
-class RepositoryOptions:
-    path: Path
-    control_mode: str = "none"  # "none" | "poll" | "explicit" (Triton's flags)
-    load_models: tuple[str, ...] = ()  # explicit mode: loaded at start
-    poll_secs: float = 15.0
 
 
 class LoadFailed(Exception):
@@ -215,6 +216,7 @@ class ModelManager(ModelRouter):
         engine_args: dict,
         server: ServerConfig,
         metrics: EngineMetrics | None = None,
+        standby: SpawnedCore | None = None,
     ) -> None:
         if options.control_mode not in CONTROL_MODES:
             raise ValueError(f"--model-control-mode: expected one of {', '.join(CONTROL_MODES)}")
@@ -229,6 +231,9 @@ class ModelManager(ModelRouter):
         # (model, kind, from version, to version) -> transitions
         self.transitions: collections.Counter = collections.Counter()
         self._poller: asyncio.Task | None = None
+        # an engine core spawned at the command's start, importing the engine while the
+        # server's own imports run: the first version started takes it (`_start_engine`)
+        self.standby = standby
 
     # -- the router --------------------------------------------------------------------
 
@@ -263,6 +268,7 @@ class ModelManager(ModelRouter):
                 await self.load(name, explicit=False)
             except KServeError as e:
                 logger.error("model %s not loaded at start: %s", name, e)
+        await self._stop_standby()  # no version took it
         if mode == "poll":
             self._poller = asyncio.create_task(self._poll_loop())
 
@@ -272,6 +278,16 @@ class ModelManager(ModelRouter):
             if task is not None:
                 task.cancel()
         await asyncio.gather(*(e.shutdown() for e in self.engines()), return_exceptions=True)
+        await self._stop_standby()
+
+    async def _stop_standby(self) -> None:
+        standby, self.standby = self.standby, None
+        if standby is not None:
+            standby.process.terminate()
+            await asyncio.to_thread(standby.process.join, 5)
+            if standby.process.is_alive():
+                standby.process.kill()
+            shutil.rmtree(standby.ipc_dir, ignore_errors=True)
 
     async def _poll_loop(self) -> None:
         while True:
@@ -573,6 +589,7 @@ class ModelManager(ModelRouter):
                 model_version=str(version),
             )
         reused = model.tokenizer[1] if model.tokenizer and model.tokenizer[0] == digest else None
+        core, self.standby = self.standby, None
         engine = AsyncLLM(
             engine_config,
             source,
@@ -585,9 +602,10 @@ class ModelManager(ModelRouter):
         try:
             if reused is not None:
                 engine.set_tokenizer(reused)
-                await engine.start()
+                await engine.start(core=core)
             else:
-                await engine.start(tokenizer=asyncio.to_thread(load_tokenizer, source))
+                tokenizer = asyncio.to_thread(load_tokenizer, source)
+                await engine.start(tokenizer=tokenizer, core=core)
                 model.tokenizer = (digest, engine.tokenizer)
             if config.warmup_canary:
                 await asyncio.wait_for(_canary_request(engine), CANARY_TIMEOUT_S)

@@ -5,11 +5,24 @@ a positive integer holding a manifest (`lantau build` writes it last)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from lantau.model.manifest import is_engine_folder
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+CONTROL_MODES = ("none", "poll", "explicit")
+
+
+@dataclass(frozen=True)
+class RepositoryOptions:
+    """`lantau serve --model-repository`'s options (here, not in model_control, so that the
+    command reads them without importing the web stack)."""
+
+    path: Path
+    control_mode: str = "none"  # "none" | "poll" | "explicit" (Triton's flags)
+    load_models: tuple[str, ...] = ()  # explicit mode: loaded at start
+    poll_secs: float = 15.0
 
 
 def bad_name_reason(name: str) -> str | None:
