@@ -518,9 +518,8 @@ def test_standby_core_taken_by_the_first_version_or_stopped(tmp_path, built):
             engine = manager.models["tiny"].engine
             assert engine.process is standby.process and manager.standby is None
             params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-            async for out in engine.generate("r", {"prompt_token_ids": [1, 2, 3]}, params):
-                pass
-            return len(out.outputs[0].token_ids)
+            outs = [o async for o in engine.generate("r", {"prompt_token_ids": [1, 2, 3]}, params)]
+            return len(outs[-1].outputs[0].token_ids)
         finally:
             await manager.shutdown()
 
