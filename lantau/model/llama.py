@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) as plain nn.Modules.
 
 HF parameter names are kept, except that q/k/v and gate/up are fused at load time
-(`qkv_proj`, `gate_up_proj`) so each layer runs two GEMMs where HF runs five.
+(`qkv_proj`, `gate_up_proj`) so each layer runs two GEMMs where HF runs five. Split over a
+tensor-parallel group, each rank holds its slice of every layer (lantau/model/parallel.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from lantau.errors import ModelLoadError
 from lantau.model.forward_context import ForwardContext
 from lantau.model.fp8 import E4M3, Fp8Linear, linear_layer
 from lantau.model.ops import Ops, build_cos_sin_cache, make_ops
+from lantau.model.parallel import SINGLE, TensorParallel
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -48,13 +50,15 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = config.num_attention_heads // tp.size  # this rank's
+        self.num_kv_heads = config.num_key_value_heads // tp.size
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         quant = config.quantization
         self.qkv_proj = linear_layer(
@@ -69,25 +73,29 @@ class LlamaAttention(nn.Module):
             x, self.qkv_proj, self.num_heads, ctx.positions, ctx.cos_sin_cache,
             ctx.kv_caches[self.layer_idx], ctx.attn, self.scale,
         )  # fmt: skip  # [num_tokens, num_heads, head_dim]
-        return ops.linear(out.reshape(-1, self.q_size), self.o_proj)  # [num_tokens, hidden]
+        out = ops.linear(out.reshape(-1, self.q_size), self.o_proj)  # [num_tokens, hidden]
+        return self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        h, i, quant = config.hidden_size, config.intermediate_size, config.quantization
+        h, quant = config.hidden_size, config.quantization
+        i = config.intermediate_size // tp.size  # this rank's columns
+        self.tp = tp
         self.gate_up_proj = linear_layer(h, 2 * i, False, quant)
         self.down_proj = linear_layer(i, h, False, quant)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return ops.linear(ops.linear_silu_mul(x, self.gate_up_proj), self.down_proj)
+        out = ops.linear(ops.linear_silu_mul(x, self.gate_up_proj), self.down_proj)
+        return self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -108,11 +116,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -133,12 +141,17 @@ class LlamaForCausalLM(nn.Module):
         ops: str = "torch",
         max_positions: int = 0,
         kernels: KernelConfig | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        tp.check(config)
+        self.config = config  # the whole model's shape (each layer knows its own slice)
+        self.tp = tp
+        self.model = LlamaModel(config, tp)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // tp.size, bias=False)
+        # NOTE: split, a tied lm_head is a copy of this rank's embedding rows (`_tie`)
+        self.tied_copy = config.tie_word_embeddings and tp.size > 1
+        if config.tie_word_embeddings and not self.tied_copy:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ops: Ops = make_ops(ops, kernels)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -181,20 +194,31 @@ class LlamaForCausalLM(nn.Module):
         no torch add between the PDL launches around it). out: a [>= num_tokens, vocab_size]
         buffer whose first rows take the logits (returned), as the CUDA graphs' one a turn."""
         hidden = self(input_ids, ctx, pick, final_norm=True)
+        if self.tp.size > 1:  # this rank's vocabulary columns, gathered
+            logits = self.tp.all_gather(self.ops.linear(hidden, self.lm_head))
+            return logits if out is None else out[: len(hidden)].copy_(logits)
         return self.ops.linear(hidden, self.lm_head, None if out is None else out[: len(hidden)])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, vocab_size]: the final norm and lm_head on rows of forward's output."""
         norm = self.model.norm
-        return self.ops.linear(self.ops.rms_norm(hidden, norm.weight, norm.eps), self.lm_head)
+        normed = self.ops.rms_norm(hidden, norm.weight, norm.eps)
+        return self.tp.all_gather(self.ops.linear(normed, self.lm_head))
 
     def _shard_slice(self, fused: str, shard: int) -> slice:
-        c = self.config
-        sizes = (
-            [c.q_size, c.kv_size, c.kv_size] if fused == "qkv_proj" else [c.intermediate_size] * 2
-        )
+        """Where HF's projection `shard` of `fused` sits in this rank's fused parameter."""
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        i = mlp.down_proj.in_features
+        sizes = [attn.q_size, attn.kv_size, attn.kv_size] if fused == "qkv_proj" else [i, i]
         start = sum(sizes[:shard])
         return slice(start, start + sizes[shard])
+
+    @torch.no_grad()
+    def _tie(self) -> None:
+        """A split tied lm_head: this rank's rows of the embedding."""
+        if self.tied_copy:
+            whole = self.model.embed_tokens.weight
+            self.lm_head.weight.copy_(self.tp.shard("lm_head.weight", whole, self.config))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -205,6 +229,7 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            tensor = self.tp.shard(hf_name, tensor, self.config)  # this rank's part
             parts = hf_name.split(".")
             target, rows = hf_name, slice(None)
             if len(parts) >= 2 and parts[-2] in self.STACKED:
@@ -230,6 +255,9 @@ class LlamaForCausalLM(nn.Module):
         for target, done in shards.items():
             if len(done) == (3 if ".qkv_proj." in target else 2):
                 loaded.add(target)
+        if self.tied_copy and "model.embed_tokens.weight" in loaded:
+            self._tie()
+            loaded.add("lm_head.weight")
         # an fp8 weight's scales are set with it
         loaded |= {f"{name}_scale" for name in loaded if f"{name}_scale" in params}
         missing = sorted(set(params) - loaded)
@@ -240,12 +268,15 @@ class LlamaForCausalLM(nn.Module):
     def init_random_weights(self, seed: int) -> None:
         """Normal(0, 0.02) matrices and unit norms, drawn on the parameters' own device. An
         fp8 layer's weight is drawn in the activation dtype and quantized, one layer at a
-        time: no wide copy of the model ever exists."""
+        time: no wide copy of the model ever exists. Split over ranks, each tensor is drawn
+        whole and sliced: the same model as on one rank."""
         gen = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
         fp8_layers = {n: m for n, m in self.named_modules() if isinstance(m, Fp8Linear)}
         dtype = self.lm_head.weight.dtype  # the activations'
         for name, param in self.named_parameters():
             module_name, _, param_name = name.rpartition(".")
+            if name == "lm_head.weight" and self.tied_copy:
+                continue  # the embedding's rows (_tie)
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 param.fill_(1.0)
             elif name.endswith(".bias"):
@@ -253,9 +284,17 @@ class LlamaForCausalLM(nn.Module):
             elif module_name in fp8_layers:
                 if param_name == "weight":  # weight_scale: set by load_rows
                     # NOTE: the same draws as the unquantized model's with the same seed
-                    wide = torch.empty(param.shape, dtype=dtype, device=param.device)
-                    wide.normal_(0.0, 0.02, generator=gen)
+                    wide = self._draw(name, param, dtype, gen)
                     fp8_layers[module_name].load_rows(slice(None), wide)
                     del wide
+            elif self.tp.size > 1:
+                param.copy_(self._draw(name, param, param.dtype, gen))
             else:
                 param.normal_(0.0, 0.02, generator=gen)
+        self._tie()
+
+    def _draw(self, name: str, param, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+        """Normal(0, 0.02) draws of the whole model's tensor `name`, this rank's slice."""
+        shape = self.tp.whole_shape(name, param.shape)
+        whole = torch.empty(shape, dtype=dtype, device=param.device)
+        return self.tp.shard(name, whole.normal_(0.0, 0.02, generator=gen), self.config)

@@ -9,8 +9,10 @@ import time
 import torch
 
 from lantau.config import KernelConfig, ModelConfig
+from lantau.errors import ModelLoadError
 from lantau.model import fp8, hf_loader
 from lantau.model.llama import LlamaForCausalLM
+from lantau.model.parallel import SINGLE, TensorParallel
 from lantau.model.source import (  # noqa: F401 - re-exported: where a model comes from
     DEFAULT_MODEL_FILE,
     ModelSource,
@@ -64,15 +66,22 @@ def build_model(
     kernels: KernelConfig | None = None,
     *,
     load: bool = True,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
     """The model on `device` in `dtype`, with its weights (random ones drawn there). With
     config.quantization "fp8" the decoder's linear layers are allocated in e4m3 and each
     weight is quantized on the device as it is drawn or read: no wide copy of them exists.
-    `load=False`: the parameters left unset, for load_in_background."""
+    `load=False`: the parameters left unset, for load_in_background. `tp`: this rank's slice
+    of the model (lantau/model/parallel.py)."""
     if config.quantization == "fp8":
         fp8.check_device(device)
+    if tp.size > 1 and source.kind == "engine":
+        raise ModelLoadError(
+            f"{source.path}: an engine folder loads on one rank only so far; split the model "
+            "over ranks from its HF folder, its GGUF file or a random shape"
+        )
     with torch.device(device), _default_dtype(dtype), _no_init():
-        model = LlamaForCausalLM(config, ops, max_positions, kernels)
+        model = LlamaForCausalLM(config, ops, max_positions, kernels, tp)
     model.eval()
     if not load:
         return model

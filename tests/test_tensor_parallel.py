@@ -1,0 +1,147 @@
+"""Tensor parallelism on CPU with gloo: a model split over 2 ranks (real processes, one
+process group) computes the logits the whole model computes — a prefill and a decode step
+through the paged KV cache — for HF folders (tied and untied embeddings, q/k/v biases) against
+HF transformers itself, and for random weights against the same shape on one rank. Sizes that
+do not split are refused, naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import transformers
+
+from lantau.model.forward_context import AttentionMetadata, ForwardContext
+from lantau.model.loader import build_model, read_model_config, resolve_model_source
+from lantau.model.parallel import SINGLE, TensorParallel, init_tensor_parallel
+from tests.conftest import TINY_LLAMA, save_tiny_hf_model
+
+BLOCK_SIZE, NUM_BLOCKS = 16, 8
+PROMPT = [5, 17, 300, 42, 9, 77, 128, 3, 64, 250, 11, 400, 8, 99, 23, 310, 45, 6, 71, 200, 13]
+COMMON = {k: v for k, v in TINY_LLAMA.items() if not k.endswith("_token_id")}
+
+
+def _context(positions: list[int], kv_caches, query_len: int) -> ForwardContext:
+    seq_len = positions[-1] + 1
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(positions, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, query_len], dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        block_tables=torch.arange(NUM_BLOCKS, dtype=torch.int32)[None],
+        max_query_len=query_len,
+        max_seq_len=seq_len,
+    )
+    return ForwardContext(meta, kv_caches, torch.tensor(positions, dtype=torch.int64))
+
+
+def split_logits(model_name: str, tp: TensorParallel, dtype=torch.float32) -> torch.Tensor:
+    """The prompt's prefill logits, then one decode step's (the greedy next token), stacked:
+    [len(PROMPT) + 1, vocab]. Each rank's KV cache holds its own heads."""
+    source = resolve_model_source(model_name)
+    config = read_model_config(source)
+    model = build_model(source, config, dtype, torch.device("cpu"), seed=7, tp=tp)
+    attn = model.model.layers[0].self_attn
+    kv_caches = [
+        torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim, dtype=dtype)
+        for _ in range(config.num_hidden_layers)
+    ]
+    n = len(PROMPT)
+    with torch.no_grad():
+        hidden = model(torch.tensor(PROMPT), _context(list(range(n)), kv_caches, n))
+        prefill = model.compute_logits(hidden)
+        next_id = prefill[-1].argmax().view(1)
+        decode = model.decode_logits(next_id, _context([n], kv_caches, 1))
+    return torch.cat([prefill, decode]).float()
+
+
+def _rank(rank: int, size: int, address: str, model_name: str, out: str) -> None:
+    tp = init_tensor_parallel(rank, size, address, "gloo")
+    try:
+        logits = split_logits(model_name, tp)
+        torch.save(logits, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_split(model_name: str, size: int, tmp_path) -> list[torch.Tensor]:
+    """Each rank's logits, computed in `size` spawned processes (one gloo group)."""
+    out = tmp_path / "logits"
+    address = f"file://{tmp_path / 'rendezvous'}"
+    mp.start_processes(_rank, (size, address, model_name, str(out)), size, start_method="spawn")
+    return [torch.load(f"{out}.{r}") for r in range(size)]
+
+
+@pytest.mark.parametrize("variant", ["untied", "tied-bias"])
+def test_split_over_two_ranks_matches_hf(tmp_path, variant):
+    if variant == "untied":
+        hf_config = transformers.LlamaConfig(**COMMON)
+    else:  # Qwen2: q/k/v biases, tied embeddings (a split lm_head copies its rows)
+        hf_config = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
+    folder = tmp_path / "hf"
+    hf_model = save_tiny_hf_model(folder, hf_config)
+    if variant != "untied":
+        with torch.no_grad():  # nonzero biases, or their split would go unchecked
+            for layer in hf_model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0.0, 0.5)
+        hf_model.save_pretrained(folder)
+    ranks = run_split(str(folder), 2, tmp_path)
+    whole = split_logits(str(folder), SINGLE)
+    with torch.no_grad():
+        prompt = torch.tensor([PROMPT])
+        hf_prefill = hf_model(prompt).logits[0]
+        next_id = hf_prefill[-1].argmax().view(1, 1)
+        hf_decode = hf_model(torch.cat([prompt, next_id], dim=1)).logits[0, -1:]
+    reference = torch.cat([hf_prefill, hf_decode])
+    for logits in ranks:  # every rank has the whole vocabulary's logits
+        assert logits.shape == reference.shape
+        assert (logits - reference).abs().max().item() <= 1e-4
+    assert torch.equal(ranks[0], ranks[1])
+    assert (whole - reference).abs().max().item() <= 1e-4
+
+
+def test_random_weights_split_are_the_whole_models(tmp_path):
+    """random:tiny (tied embeddings) drawn whole and sliced: the same model on 2 ranks."""
+    ranks = run_split("random:tiny", 2, tmp_path)
+    whole = split_logits("random:tiny", SINGLE)
+    assert (ranks[0] - whole).abs().max().item() <= 1e-5
+    assert torch.equal(ranks[0], ranks[1])
+
+
+def test_sizes_that_do_not_split_are_refused():
+    source = resolve_model_source("random:tiny")
+    config = read_model_config(source)  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="does not divide num_key_value_heads"):
+        build_model(source, config, torch.float32, torch.device("cpu"), 0,
+                    tp=TensorParallel(0, 4))  # fmt: skip
+    odd = dataclasses.replace(config, vocab_size=config.vocab_size + 1)
+    with pytest.raises(ValueError, match="does not divide vocab_size"):
+        build_model(source, odd, torch.float32, torch.device("cpu"), 0,
+                    tp=TensorParallel(0, 2))  # fmt: skip
+
+
+def test_shard_slices_fused_and_hf_tensors():
+    """The layout's own rules, on labelled rows: rank 1 of 2 takes the second half of each
+    stacked part of a fused qkv (q, then k, then v), the second half of o_proj's columns."""
+    config = read_model_config(resolve_model_source("random:tiny"))  # q 64 rows, kv 32 each
+    tp = TensorParallel(1, 2)
+    rows = torch.arange(config.q_size + 2 * config.kv_size)[:, None].expand(-1, 3)
+    qkv = tp.shard("model.layers.0.self_attn.qkv_proj.weight", rows, config)[:, 0].tolist()
+    assert qkv == [*range(32, 64), *range(80, 96), *range(112, 128)]
+    k = tp.shard("model.layers.0.self_attn.k_proj.weight", torch.arange(32), config)
+    assert k.tolist() == list(range(16, 32))
+    cols = torch.arange(config.q_size)[None].expand(5, -1)
+    o = tp.shard("model.layers.0.self_attn.o_proj.weight", cols, config)
+    assert o[0].tolist() == list(range(32, 64)) and o.shape == (5, 32)
+    norm = torch.ones(config.hidden_size)
+    assert tp.shard("model.layers.0.input_layernorm.weight", norm, config) is norm
+    assert tp.whole_shape("model.layers.0.mlp.down_proj.weight", torch.Size([64, 64])) == (
+        64,
+        128,
+    )
