@@ -83,6 +83,17 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
+    def check_split(self, num_ranks: int) -> None:
+        """ValueError naming the first size that tensor parallelism over `num_ranks` cannot
+        split evenly (lantau/model/parallel.py: each rank its heads, columns, vocabulary)."""
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                     "vocab_size"):  # fmt: skip
+            if getattr(self, name) % num_ranks:
+                raise ValueError(
+                    f"tensor_parallel_size {num_ranks} does not divide {name} "
+                    f"({getattr(self, name)})"
+                )
+
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim

@@ -145,3 +145,51 @@ def test_shard_slices_fused_and_hf_tensors():
         64,
         128,
     )
+
+
+def test_engine_split_over_two_ranks(tiny_llama_dir):
+    """`LLM(..., tensor_parallel_size=2)`: rank 1 a worker process in lockstep with the engine
+    core's runner. Greedy tokens and logits equal HF transformers' (prompts of several lengths
+    in one batch, chunked and overlapped steps); seeded and unseeded sampling equal the
+    one-rank engine's; no KV block is left; the worker stops with the engine."""
+    import gc
+
+    from lantau import LLM, SamplingParams
+    from tests.conftest import hf_greedy
+    from tests.test_parity_hf import NUM_TOKENS, make_prompts
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    hf_model.generation_config.eos_token_id = None
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+    common = dict(dtype="float32", device="cpu", num_kv_blocks=256, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **common)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy)
+    for i, output in enumerate(outputs):
+        hf_tokens, hf_logits = hf_greedy(hf_model, prompts[i]["prompt_token_ids"], NUM_TOKENS)
+        assert output.outputs[0].token_ids == hf_tokens, f"prompt {i}"
+        if i % 3 == 0:  # alone, so the last step is this request's
+            (alone,) = llm.generate([prompts[i]], greedy)
+            ours = llm.engine.core.runner.last_logits[f"{alone.request_id}#0"].float()
+            assert (ours - hf_logits).abs().max().item() <= 1e-4, f"prompt {i}"
+    sampled = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=3, ignore_eos=True),
+               SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)]  # fmt: skip
+    split = [[o.outputs[0].token_ids for o in llm.generate(prompts, p)] for p in sampled]
+    llm.engine.core.scheduler.check_integrity()
+    assert llm.engine.core.kv_cache.num_free_blocks == 256
+    workers = list(llm.engine.core.workers.processes)
+    assert len(workers) == 1 and workers[0].is_alive()
+    del llm
+    gc.collect()
+    workers[0].join(10)
+    assert not workers[0].is_alive()
+    one = LLM(str(tiny_llama_dir), **common)
+    whole = [[o.outputs[0].token_ids for o in one.generate(prompts, p)] for p in sampled]
+    assert split == whole
+
+
+def test_engine_refuses_a_split_that_does_not_divide(tiny_llama_dir):
+    from lantau import LLM
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide num_attention"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=3, device="cpu")

@@ -49,10 +49,17 @@ def build_engine_config(
     """The frozen EngineConfig and the model source, from user-facing arguments. `kernels`:
     the triton backend's choices (default: KernelConfig's, PDL as LANTAU_PDL says);
     `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" (e4m3, twice the tokens)."""
-    if tensor_parallel_size != 1:
-        raise ValueError("tensor_parallel_size: only 1 is supported so far")
+    if tensor_parallel_size < 1:
+        raise ValueError("tensor_parallel_size: at least 1")
     source = resolve_model_source(model)
     model_config = read_model_config(source)
+    if tensor_parallel_size > 1:
+        model_config.check_split(tensor_parallel_size)
+        if source.kind == "engine":
+            raise ValueError(
+                "tensor_parallel_size: an engine folder loads on one rank only so far; split "
+                "the model from its HF folder, GGUF file or random shape"
+            )
     if source.kind == "engine":
         dtype = engine_folder_dtype(source, dtype_name(dtype))
     max_len = min(max_model_len or model_config.max_position_embeddings, 1 << 20)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
@@ -23,6 +24,7 @@ from lantau.engine.pacer import StepKey, StepPacer, step_key
 from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
 from lantau.model.loader import ModelSource, build_model, load_in_background
+from lantau.model.parallel import SINGLE, TensorParallel, init_tensor_parallel
 from lantau.request import FinishReason, Request, validate_prompt
 from lantau.runner.model_runner import LaunchedStep, ModelRunner
 from lantau.scheduler.output import EngineCoreOutput, SchedulerOutput
@@ -49,6 +51,13 @@ class EngineCore:
         # starts: that first forward pass pages in the CUDA libraries and kernels, which from
         # a cold disk would wait behind the weights' reads
         background = source.kind == "engine"
+        tp, self.workers = SINGLE, None
+        if config.tensor_parallel_size > 1:  # ranks 1.. build their slices meanwhile
+            from lantau.engine.tp_workers import Workers
+
+            tp = TensorParallel(0, config.tensor_parallel_size)
+            self.workers = Workers(config, source)
+            weakref.finalize(self, self.workers.stop)
         model = build_model(
             source,
             config.model_config,
@@ -59,10 +68,18 @@ class EngineCore:
             max_positions=config.scheduler.max_model_len,
             kernels=config.kernels,
             load=not background,
+            tp=tp,
         )
+        if self.workers is not None:
+            self.workers.wait_built()
+            init_tensor_parallel(0, tp.size, self.workers.address)
         self.startup_s["model" if background else "weights"] = time.perf_counter() - clock
         clock = time.perf_counter()
         num_blocks = config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
+        if self.workers is not None:  # what the tightest rank holds
+            from lantau.engine.tp_workers import agree_num_blocks
+
+            num_blocks = agree_num_blocks(num_blocks)
         self.startup_s["kv_profile"] = time.perf_counter() - clock
         pending = load_in_background(model, source) if background else None
         needed = cdiv(config.scheduler.max_model_len, config.cache.block_size)
@@ -82,6 +99,10 @@ class EngineCore:
         self.last_batch_size = 0  # requests scheduled by the last step, for stats
         self.last_num_batched_tokens = 0
         self.runner = ModelRunner(self.config, model, num_blocks, self.device)
+        if self.workers is not None:  # each call that moves state, repeated on the workers
+            from lantau.engine.tp_workers import SplitRunner
+
+            self.runner = SplitRunner(self.runner, self.workers)
         self.async_scheduling = config.async_scheduling
         # the step on the device whose tokens have not been collected yet
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None

@@ -117,7 +117,7 @@ def run_engine_core(
     parent = os.getppid()
     # NOTE: Ctrl-C reaches the whole process group; the frontend drains, then stops the core
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
     ctx = zmq.Context()
     # NOTE: linger 0: with the frontend gone, unsent messages must not hold the exit for ever
     ctx.setsockopt(zmq.LINGER, 0)
@@ -212,7 +212,7 @@ def _log_late_compiles() -> None:
     knobs.runtime.jit_post_compile_hook = warn
 
 
-def _exit_with_parent(parent: int, poll_s: float = 0.2) -> None:
+def exit_with_parent(parent: int, poll_s: float = 0.2) -> None:
     """The watchdog: a frontend killed (SIGKILL, a crash) cannot stop its core, so the core
     stops itself as soon as it is re-parented, whatever its main thread is doing."""
     while os.getppid() == parent:

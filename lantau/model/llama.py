@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        tp.check(config)
+        config.check_split(tp.size)
         self.config = config  # the whole model's shape (each layer knows its own slice)
         self.tp = tp
         self.model = LlamaModel(config, tp)

@@ -41,13 +41,6 @@ class TensorParallel:
         k = n // self.size
         return slice(self.rank * k, (self.rank + 1) * k)
 
-    def check(self, config) -> None:
-        """A ValueError naming the first of the model's sizes that does not split."""
-        self.part(config.num_attention_heads, "num_attention_heads")
-        self.part(config.num_key_value_heads, "num_key_value_heads")
-        self.part(config.intermediate_size, "intermediate_size")
-        self.part(config.vocab_size, "vocab_size")
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place."""
         if self.size > 1:

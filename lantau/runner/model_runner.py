@@ -82,6 +82,7 @@ class LaunchedStep:
     # [num_sample] each row's argmax, picked (and written to the step's ids buffer) inside the
     # CUDA graph; None after an eager forward
     greedy_ids: torch.Tensor | None = None
+    serial: int = -1  # its launch's number, which tensor-parallel workers know it by
 
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -97,10 +98,12 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
 
 
 def kv_cache_bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
-    """Bytes of one block of every layer's keys and values in a cache of `dtype`."""
+    """Bytes of one block of every layer's keys and values in a cache of `dtype` (on one
+    rank: its heads)."""
     m = config.model_config
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * m.num_hidden_layers * config.cache.block_size * m.kv_size * elem
+    kv_size = m.kv_size // config.tensor_parallel_size  # a rank's heads
+    return 2 * m.num_hidden_layers * config.cache.block_size * kv_size * elem
 
 
 # Headroom kept free on the card beyond the profiled peak: CUDA graphs, allocator slack.
@@ -433,9 +436,10 @@ class ModelRunner:
 def allocate_kv_caches(
     config: EngineConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One allocation for the whole cache, viewed per layer."""
+    """One allocation for the whole cache (this rank's heads), viewed per layer."""
     m = config.model_config
-    shape = (m.num_hidden_layers, 2, num_blocks, config.cache.block_size, m.num_key_value_heads)
+    num_kv_heads = m.num_key_value_heads // config.tensor_parallel_size  # a rank's
+    shape = (m.num_hidden_layers, 2, num_blocks, config.cache.block_size, num_kv_heads)
     # NOTE: zeros, not empty: padded attention reads masked slots, and 0 * NaN is NaN.
     cache = torch.zeros((*shape, m.head_dim), dtype=dtype, device=device)
     return list(cache.unbind(0))

@@ -1,0 +1,210 @@
+"""Tensor parallelism in the engine: ranks 1..N-1 as worker processes, each with its own
+ModelRunner over its slice of the model (lantau/model/parallel.py), driven in lockstep by rank
+0's, which the engine core owns:
+
+    engine core (rank 0)                      worker (rank r)
+      scheduler.schedule() -> out
+      runner.launch(out) ──── out ─────────►    runner.launch(out)
+        forward: all-reduces, all-gather ◄══►     forward: the same collectives
+      runner.sample(step) ─── serial ──────►    runner.sample(step)
+      runner.collect(step) ── serial ──────►    runner.collect(step)
+
+Every runner call rank 0 makes (`SplitRunner`), each worker makes with the same arguments in
+the same order, so the ranks' request states, KV caches (each its own heads) and sampled tokens
+stay the same: the logits are all-gathered whole on every rank, and the samplers' and the
+requests' generators are seeded alike. Only rank 0's outputs are used; only rank 0 schedules.
+
+Start-up: every rank builds its slice of the model first (no collective yet: a rank that fails
+there is reported, not waited on), then the group forms, and the KV cache is sized to what the
+tightest rank holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import torch
+
+from lantau.config import EngineConfig
+from lantau.model.parallel import TensorParallel, init_tensor_parallel
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r's device: the r-th GPU (of those visible), or the CPU."""
+    if config.device.startswith("cuda"):
+        return torch.device("cuda", rank)
+    return torch.device(config.device)
+
+
+def agree_num_blocks(num_blocks: int) -> int:
+    """The fewest KV blocks any rank holds (every rank calls this)."""
+    t = torch.tensor([num_blocks], dtype=torch.int64)
+    if torch.distributed.get_backend() == "nccl":
+        t = t.cuda()
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return int(t.item())
+
+
+class Workers:
+    """Ranks 1..N-1 of a tensor-parallel engine: their processes and a pipe to each."""
+
+    def __init__(self, config: EngineConfig, source) -> None:
+        self.size = config.tensor_parallel_size
+        self._dir = tempfile.mkdtemp(prefix="lantau-tp-")
+        self.address = f"file://{self._dir}/rendezvous"
+        ctx = multiprocessing.get_context("spawn")
+        self.pipes: list[Connection] = []
+        self.processes = []
+        for rank in range(1, self.size):
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(
+                target=run_worker,
+                args=(config, source, rank, self.address, theirs, os.getpid()),
+                name=f"lantau-tp-rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            theirs.close()
+            self.pipes.append(ours)
+            self.processes.append(process)
+
+    def wait_built(self) -> None:
+        """Wait until every worker has its slice of the model; RuntimeError with the first
+        failure (the workers stopped)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, pipe in enumerate(self.pipes, start=1):
+            if not pipe.poll(max(deadline - time.monotonic(), 0)):
+                self.stop()
+                raise RuntimeError(f"tensor-parallel rank {rank} did not start in time")
+            try:
+                status, detail = pipe.recv()
+            except EOFError:
+                status, detail = "error", "its process exited"
+            if status != "built":
+                self.stop()
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
+
+    def send(self, *message) -> None:
+        for pipe in self.pipes:
+            pipe.send(message)
+
+    def stop(self) -> None:
+        for pipe in self.pipes:
+            with contextlib.suppress(OSError):  # a worker already gone
+                pipe.send(("stop",))
+        for process in self.processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        for pipe in self.pipes:
+            pipe.close()
+        self.pipes, self.processes = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class SplitRunner:
+    """Rank 0's ModelRunner with each call that moves the ranks' state repeated on the
+    workers; everything else is the runner's own (attribute access passes through)."""
+
+    def __init__(self, runner, workers: Workers) -> None:
+        self.runner = runner
+        self.workers = workers
+        self._num_launched = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def launch(self, out):
+        self.workers.send("launch", out)
+        step = self.runner.launch(out)
+        step.serial = self._num_launched  # sample and collect name it by this
+        self._num_launched += 1
+        return step
+
+    def sample(self, step) -> None:
+        if step.sample_ids:
+            self.workers.send("sample", step.serial)
+        self.runner.sample(step)
+
+    def collect(self, step):
+        if step.sample_ids:
+            self.workers.send("collect", step.serial)
+        return self.runner.collect(step)
+
+    def execute(self, out):
+        step = self.launch(out)
+        self.sample(step)
+        return self.collect(step)
+
+    def capture_cuda_graphs(self) -> None:
+        self.workers.send("capture_cuda_graphs")
+        self.runner.capture_cuda_graphs()
+
+    def use_copy_streams(self, on: bool) -> None:
+        self.workers.send("use_copy_streams", on)
+        self.runner.use_copy_streams(on)
+
+
+def run_worker(
+    config: EngineConfig, source, rank: int, address: str, pipe: Connection, parent: int
+) -> None:
+    """A worker process: build this rank's slice, join the group, then repeat rank 0's
+    runner calls until told to stop (or orphaned)."""
+    from lantau.engine.core_process import exit_with_parent
+    from lantau.model.loader import build_model
+    from lantau.runner.model_runner import ModelRunner
+
+    threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
+    device = rank_device(config, rank)
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        tp = TensorParallel(rank, config.tensor_parallel_size)
+        model = build_model(
+            source, config.model_config, getattr(torch, config.dtype), device, config.seed,
+            ops=config.attention_backend, max_positions=config.scheduler.max_model_len,
+            kernels=config.kernels, tp=tp,
+        )  # fmt: skip
+    except Exception as e:  # reported: rank 0 stops waiting and fails its start with it
+        pipe.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    pipe.send(("built", None))
+    init_tensor_parallel(rank, config.tensor_parallel_size, address)
+    num_blocks = agree_num_blocks(
+        config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
+    )
+    runner = ModelRunner(config.with_num_blocks(num_blocks), model, num_blocks, device)
+    steps: dict[int, object] = {}  # launched steps with rows to sample, by serial
+    num_launched = 0
+    while True:
+        try:
+            method, *args = pipe.recv()
+        except EOFError:  # rank 0 is gone
+            break
+        if method == "launch":
+            step = runner.launch(args[0])
+            if step.sample_ids:
+                steps[num_launched] = step
+            num_launched += 1
+        elif method == "sample":
+            runner.sample(steps[args[0]])
+        elif method == "collect":
+            runner.collect(steps.pop(args[0]))
+        elif method == "stop":
+            break
+        else:
+            getattr(runner, method)(*args)
+    torch.distributed.destroy_process_group()
