@@ -60,6 +60,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     _add_kv_cache_dtype_arg(p)
+    _add_tensor_parallel_arg(p)
+
+
+def _add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="GPUs (ranks) each layer is split over, Megatron-style (docs/tensor-parallel.md)",
+    )  # fmt: skip
 
 
 def _add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -97,7 +105,7 @@ def chat(args: argparse.Namespace) -> int:
 
     llm = LLM(
         args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
@@ -198,6 +206,7 @@ def serve_engine_args(args: argparse.Namespace) -> dict:
         scheduling_policy=args.scheduling_policy,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.num_kv_blocks:
         engine_args["num_kv_blocks"] = args.num_kv_blocks
@@ -552,6 +561,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-model-len", type=int, default=None)
     _add_kv_cache_dtype_arg(p)
+    _add_tensor_parallel_arg(p)
     p.add_argument("--enforce-eager", action="store_true")
     _add_scheduling_args(p)
     p.add_argument("--output", default=None, help="write the result as JSON here")

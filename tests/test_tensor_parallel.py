@@ -7,6 +7,7 @@ do not split are refused, naming the field."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -193,3 +194,36 @@ def test_engine_refuses_a_split_that_does_not_divide(tiny_llama_dir):
 
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide num_attention"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=3, device="cpu")
+
+
+def test_served_split_model_and_a_killed_server_leaves_no_process():
+    """`lantau serve random:tiny -tp 2` (CPU, gloo): a greedy completion equals the one-rank
+    engine's; SIGKILL of the server takes its engine core and the core's rank-1 worker with
+    it (each one's watchdog), while a stream is in flight."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from lantau import LLM, SamplingParams
+    from tests.test_hardening import STREAM_FOREVER, Server, wait_gone
+
+    body = {"prompt": "Count with me:", "max_tokens": 16, "temperature": 0.0}
+    server = Server("-tp", "2")
+    try:
+        tree = server.tree()
+        assert len(tree) >= 4, tree  # the server, its core, the core's worker (+ a tracker)
+        served = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60).json()
+        stream = subprocess.Popen([sys.executable, "-c", STREAM_FOREVER, server.base])
+        time.sleep(1.0)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        assert not wait_gone(tree, timeout=5.0), "processes of the server's tree still alive"
+        stream.wait(timeout=30)
+    finally:
+        server.close()
+    one = LLM("random:tiny", device="cpu", max_model_len=512, num_kv_blocks=512)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    (expected,) = one.generate(["Count with me:"], params)
+    assert served["choices"][0]["text"] == expected.outputs[0].text

@@ -308,6 +308,7 @@ def bench_offline(args) -> dict:
         scheduling_policy=getattr(args, "scheduling_policy", "max_utilization"),
         long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0),
         async_scheduling=getattr(args, "async_scheduling", True),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
     segments_before = _num_segments(device)
     ours = run_lantau(llm, workload)
@@ -321,6 +322,7 @@ def bench_offline(args) -> dict:
     result["engine"] = {
         "max_num_seqs": sched.max_num_seqs,
         "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "tensor_parallel_size": llm.config.tensor_parallel_size,
     }
     result["peers"] = [p.summary() for p in peers]
     return result

@@ -75,7 +75,8 @@ class Workers:
                 name=f"lantau-tp-rank{rank}",
                 daemon=True,
             )
-            process.start()
+            with _children_allowed():
+                process.start()
             theirs.close()
             self.pipes.append(ours)
             self.processes.append(process)
@@ -113,6 +114,21 @@ class Workers:
             pipe.close()
         self.pipes, self.processes = [], []
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _children_allowed():
+    """NOTE: a served engine core is a daemonic process (it must not outlive the server), and
+    multiprocessing refuses children to those; its workers are safe to start all the same:
+    each exits as soon as the core is gone (its watchdog), and a core that exits normally
+    terminates them first (they are daemonic themselves)."""
+    config = multiprocessing.current_process()._config
+    daemon = config.get("daemon", False)
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = daemon
 
 
 class SplitRunner:
