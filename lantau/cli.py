@@ -65,8 +65,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1,
-        help="GPUs (ranks) each layer is split over, Megatron-style (docs/tensor-parallel.md)",
+        "--tensor-parallel-size", "-tp", type=int, default=None,
+        help="GPUs (ranks) each layer is split over, Megatron-style (docs/tensor-parallel.md); "
+        "default 1, or what an engine folder was built for",
     )  # fmt: skip
 
 
@@ -265,7 +266,8 @@ def build(args: argparse.Namespace) -> int:
         from lantau.model.build import build_engine
 
         manifest = build_engine(args.src, args.out, dtype=args.dtype, seed=args.seed,
-                                device=args.device)  # fmt: skip
+                                device=args.device,
+                                tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     except (ModelLoadError, OSError, ValueError) as e:
         print(f"lantau build: {e}", file=sys.stderr)
         return 1
@@ -487,6 +489,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8")
     p.add_argument("--seed", type=int, default=0, help="random weights' seed")
     p.add_argument("--device", default="auto", help="where the model is built (auto: CUDA)")
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="ranks to split it over: each rank's slice in its own shards",
+    )  # fmt: skip
     p.add_argument(
         "--compile-kernels",
         action="store_true",

@@ -227,3 +227,57 @@ def test_served_split_model_and_a_killed_server_leaves_no_process():
     params = SamplingParams(temperature=0.0, max_tokens=16)
     (expected,) = one.generate(["Count with me:"], params)
     assert served["choices"][0]["text"] == expected.outputs[0].text
+
+
+def test_engine_folder_built_for_two_ranks(tmp_path, tiny_llama_dir):
+    """`lantau build --tensor-parallel-size 2`: each rank's slice in its own shards (a rank
+    reads only its bytes); the folder serves on 2 ranks by itself and equals HF's greedy
+    tokens; another size is refused either way, saying what to do."""
+    from lantau import LLM, SamplingParams
+    from lantau.model.build import build_engine
+    from lantau.model.manifest import read_manifest
+    from tests.conftest import hf_greedy
+
+    folder = tmp_path / "engine"
+    manifest = build_engine(str(tiny_llama_dir), folder, dtype="fp32", device="cpu",
+                            tensor_parallel_size=2)  # fmt: skip
+    assert manifest.tensor_parallel_size == 2
+    assert {s.split("-")[0] for s in manifest.shards} == {"rank0", "rank1"}
+    assert set(manifest.shards_of(1)) == {s for s in manifest.shards if s.startswith("rank1-")}
+    assert read_manifest(folder).fingerprint == manifest.fingerprint
+    llm = LLM(str(folder), device="cpu", num_kv_blocks=64)
+    assert llm.config.tensor_parallel_size == 2
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    hf_model.generation_config.eos_token_id = None
+    prompt = PROMPT[:9]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], greedy)
+    assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 12)[0]
+    del llm
+    with pytest.raises(ValueError, match="built for 2 rank.*--tensor-parallel-size 2"):
+        LLM(str(folder), device="cpu", tensor_parallel_size=1)
+    one = tmp_path / "one"
+    build_engine(str(tiny_llama_dir), one, dtype="fp32", device="cpu")
+    with pytest.raises(
+        ValueError, match="rebuild it with `lantau build .* --tensor-parallel-size 2`"
+    ):
+        LLM(str(one), device="cpu", tensor_parallel_size=2)
+
+
+def test_a_split_engine_that_fails_to_start_leaves_nothing(tiny_llama_dir):
+    """A start that fails after the workers joined (a KV cache too small for one request):
+    the error is the engine's own, the worker stops, and the next split engine in this
+    process starts (the group was destroyed with the failed one)."""
+    import psutil
+
+    from lantau import LLM
+
+    before = {p.pid for p in psutil.Process().children()}
+    with pytest.raises(ValueError, match="the KV cache holds 2 blocks"):
+        LLM(str(tiny_llama_dir), device="cpu", tensor_parallel_size=2, num_kv_blocks=2,
+            max_model_len=256)  # fmt: skip
+    left = [p for p in psutil.Process().children() if p.pid not in before]
+    assert not [p for p in left if "spawn_main" in " ".join(p.cmdline())]
+    llm = LLM(str(tiny_llama_dir), device="cpu", tensor_parallel_size=2, num_kv_blocks=64)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT[:5]}])
+    assert len(out.outputs[0].token_ids) > 0

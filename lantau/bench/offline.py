@@ -308,7 +308,7 @@ def bench_offline(args) -> dict:
         scheduling_policy=getattr(args, "scheduling_policy", "max_utilization"),
         long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0),
         async_scheduling=getattr(args, "async_scheduling", True),
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
     )
     segments_before = _num_segments(device)
     ours = run_lantau(llm, workload)

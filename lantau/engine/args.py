@@ -29,7 +29,7 @@ def build_engine_config(
     dtype="auto",
     device: str = "auto",
     max_model_len: int | None = None,
-    tensor_parallel_size: int = 1,
+    tensor_parallel_size: int | None = None,
     seed: int = 0,
     block_size: int = 16,
     num_kv_blocks: int | None = None,
@@ -49,17 +49,11 @@ def build_engine_config(
     """The frozen EngineConfig and the model source, from user-facing arguments. `kernels`:
     the triton backend's choices (default: KernelConfig's, PDL as LANTAU_PDL says);
     `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" (e4m3, twice the tokens)."""
-    if tensor_parallel_size < 1:
-        raise ValueError("tensor_parallel_size: at least 1")
     source = resolve_model_source(model)
     model_config = read_model_config(source)
+    tensor_parallel_size = ranks_for(source, tensor_parallel_size)
     if tensor_parallel_size > 1:
         model_config.check_split(tensor_parallel_size)
-        if source.kind == "engine":
-            raise ValueError(
-                "tensor_parallel_size: an engine folder loads on one rank only so far; split "
-                "the model from its HF folder, GGUF file or random shape"
-            )
     if source.kind == "engine":
         dtype = engine_folder_dtype(source, dtype_name(dtype))
     max_len = min(max_model_len or model_config.max_position_embeddings, 1 << 20)
@@ -104,6 +98,27 @@ def build_engine_config(
         ),
     )
     return config, source
+
+
+def ranks_for(source: ModelSource, asked: int | None) -> int:
+    """The tensor-parallel size: what was asked (None: an engine folder's own, else 1); an
+    engine folder runs on the ranks it was built for, another size is an error saying what to
+    do."""
+    if asked is not None and asked < 1:
+        raise ValueError("tensor_parallel_size: at least 1")
+    if source.kind != "engine":
+        return asked or 1
+    from lantau.model.manifest import read_manifest
+
+    manifest = read_manifest(source.path)
+    built = manifest.tensor_parallel_size
+    if asked not in (None, built):
+        raise ValueError(
+            f"tensor_parallel_size: {source.name} was built for {built} rank(s); serve it with "
+            f"--tensor-parallel-size {built}, or rebuild it with `lantau build "
+            f"{manifest.source} --tensor-parallel-size {asked}`"
+        )
+    return built
 
 
 def engine_folder_dtype(source: ModelSource, dtype: str) -> str:

@@ -42,22 +42,30 @@ class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource, paced: bool = False) -> None:
         config = resolve_device(config, torch.cuda.is_available())
         self.device = torch.device(config.device)
-        dtype = getattr(torch, config.dtype)
         # seconds of each start-up stage, in order (the server reports them)
         self.startup_s: dict[str, float] = {}
+        tp, self.workers = SINGLE, None
+        if config.tensor_parallel_size > 1:  # ranks 1.. build their slices meanwhile
+            from lantau.engine.tp_workers import Workers, stop_split_engine
+
+            tp = TensorParallel(0, config.tensor_parallel_size)
+            self.workers = Workers(config, source)
+            stop = weakref.finalize(self, stop_split_engine, self.workers)
+        try:
+            self._start(config, source, tp, paced)
+        except BaseException:
+            if self.workers is not None:
+                stop()
+            raise
+
+    def _start(self, config: EngineConfig, source, tp: TensorParallel, paced: bool) -> None:
+        dtype = getattr(torch, config.dtype)
         clock = time.perf_counter()
         # an engine folder's weights load on a thread while the CUDA graphs are captured,
         # which do not depend on the weights' values; the KV cache is sized before the load
         # starts: that first forward pass pages in the CUDA libraries and kernels, which from
         # a cold disk would wait behind the weights' reads
         background = source.kind == "engine"
-        tp, self.workers = SINGLE, None
-        if config.tensor_parallel_size > 1:  # ranks 1.. build their slices meanwhile
-            from lantau.engine.tp_workers import Workers
-
-            tp = TensorParallel(0, config.tensor_parallel_size)
-            self.workers = Workers(config, source)
-            weakref.finalize(self, self.workers.stop)
         model = build_model(
             source,
             config.model_config,

@@ -61,6 +61,11 @@ class Workers:
     """Ranks 1..N-1 of a tensor-parallel engine: their processes and a pipe to each."""
 
     def __init__(self, config: EngineConfig, source) -> None:
+        if torch.distributed.is_initialized():
+            raise RuntimeError(
+                "a tensor-parallel engine is running in this process already: one split engine "
+                "a process (stop the other first)"
+            )
         self.size = config.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="lantau-tp-")
         self.address = f"file://{self._dir}/rendezvous"
@@ -129,6 +134,14 @@ def _children_allowed():
         yield
     finally:
         config["daemon"] = daemon
+
+
+def stop_split_engine(workers: Workers) -> None:
+    """Rank 0's end: its workers stopped, its side of the group destroyed (another split
+    engine may start in this process after it)."""
+    workers.stop()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 class SplitRunner:

@@ -1,7 +1,9 @@
 """`lantau build SRC --out FOLDER`: an engine folder from an HF folder, a GGUF file or a random
 shape: the weights as the model holds them after loading (q/k/v and gate/up fused), in
 safetensors shards of about `max_shard_bytes` (several, so loading reads them in parallel),
-the tokenizer files, and the manifest (lantau/model/manifest.py), written last."""
+the tokenizer files, and the manifest (lantau/model/manifest.py), written last. Built for N
+tensor-parallel ranks, each rank's slice is built and written in turn (its own shards): a rank
+reads only its bytes."""
 
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from lantau.model.manifest import (
     Manifest,
     check_dtype_available,
     compute_fingerprint,
+    rank_prefix,
 )
+from lantau.model.parallel import TensorParallel
 from lantau.model.source import load_tokenizer, read_model_config, resolve_model_source
 
 # what an HF folder's tokenizer is made of; copied as they are
@@ -54,6 +58,7 @@ def build_engine(
     seed: int = 0,
     device: str = "auto",
     max_shard_bytes: int = 1 << 30,
+    tensor_parallel_size: int = 1,
 ) -> Manifest:
     """Write the engine folder `out` (which must not hold a finished build) and return its
     manifest."""
@@ -71,25 +76,34 @@ def build_engine(
         config = dataclasses.replace(config, quantization="fp8")  # e4m3 linears, bf16 rest
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(source, config, torch_dtype, torch.device(device), seed)
+    tp_size = tensor_parallel_size
+    if tp_size < 1:
+        raise ValueError("--tensor-parallel-size: at least 1")
+    config.check_split(tp_size)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors"):  # an earlier build that did not finish
         stale.unlink()
-    shards = _write_shards(model, out, max_shard_bytes)
+    shards = []
+    for rank in range(tp_size):  # one rank's slice in memory at a time
+        tp = TensorParallel(rank, tp_size)
+        model = build_model(source, config, torch_dtype, torch.device(device), seed, tp=tp)
+        prefix = rank_prefix(rank) if tp_size > 1 else ""
+        shards += _write_shards(model, out, max_shard_bytes, prefix)
+        tensors = tensor_specs(model)  # the same shapes on every rank
+        del model
     tokenizer_files = _write_tokenizer(source, out)
     files = _checksums(out, [*shards, *tokenizer_files])
-    tensors = tensor_specs(model)
     manifest = Manifest(
         engine_format=ENGINE_FORMAT,
         lantau_version=lantau_version(),
         source=source.name if source.kind == "random" else str(src),
         model_config=config,
         dtype=stored_dtype,
-        tensor_parallel_size=1,
+        tensor_parallel_size=tp_size,
         tensors=tensors,
         files=files,
         shards=tuple(shards),
-        fingerprint=compute_fingerprint(config, stored_dtype, 1, tensors),
+        fingerprint=compute_fingerprint(config, stored_dtype, tp_size, tensors),
     )
     # NOTE: written last and renamed into place: a folder with a manifest is complete
     tmp = out / f".{MANIFEST_NAME}.tmp"
@@ -100,7 +114,9 @@ def build_engine(
     return manifest
 
 
-def _write_shards(model: torch.nn.Module, out: Path, max_shard_bytes: int) -> list[str]:
+def _write_shards(
+    model: torch.nn.Module, out: Path, max_shard_bytes: int, prefix: str = ""
+) -> list[str]:
     from safetensors.torch import save_file
 
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -112,7 +128,7 @@ def _write_shards(model: torch.nn.Module, out: Path, max_shard_bytes: int) -> li
             size = 0
         groups[-1].append((name, param))
         size += nbytes
-    names = [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    names = [f"{prefix}model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     for name, group in zip(names, groups, strict=True):
         tensors = {n: p.detach().to("cpu").contiguous() for n, p in group}
         save_file(tensors, str(out / name), metadata={"format": "lantau"})

@@ -53,14 +53,23 @@ def load_engine_weights(
     num_threads: int | None = None,
     synchronize: bool = True,
 ) -> None:
-    """Fill every parameter of `model` from the folder's shards (ModelLoadError on any
-    mismatch: layout, size, checksum). Each tensor's copies are done when this returns.
-    `synchronize`: first wait for the device's queued work (kernels that write the
-    parameters); a caller on another thread does that itself, before it starts this."""
+    """Fill every parameter of `model` from the folder's shards, its rank's (ModelLoadError on
+    any mismatch: tensor-parallel size, layout, size, checksum). Each tensor's copies are done
+    when this returns. `synchronize`: first wait for the device's queued work (kernels that
+    write the parameters); a caller on another thread does that itself, before it starts
+    this."""
+    tp = model.tp
+    if manifest.tensor_parallel_size != tp.size:
+        raise ModelLoadError(
+            f"{folder}: built for tensor-parallel size {manifest.tensor_parallel_size}, loading "
+            f"on {tp.size}: serve it with --tensor-parallel-size {manifest.tensor_parallel_size} "
+            f"or rebuild it with `lantau build {manifest.source} --tensor-parallel-size {tp.size}`"
+        )
     check_layout(folder, manifest, tensor_specs(model))
     params = engine_tensors(model)
     device = next(iter(params.values())).device
-    num_threads = num_threads or min(len(manifest.shards), os.cpu_count() or 1, 16)
+    shards = manifest.shards_of(tp.rank)  # this rank's slice
+    num_threads = num_threads or min(len(shards), os.cpu_count() or 1, 16)
     if device.type == "cuda" and synchronize:
         torch.cuda.synchronize(device)
     local = threading.local()  # each thread's staging buffer and stream (CUDA)
@@ -70,7 +79,7 @@ def load_engine_weights(
                     verify_checksums)  # fmt: skip
 
     with torch.no_grad(), ThreadPoolExecutor(max(1, num_threads)) as pool:
-        list(pool.map(load, manifest.shards))
+        list(pool.map(load, shards))
 
 
 def _read_header(f, path: Path) -> tuple[bytes, dict]:

@@ -9,7 +9,6 @@ import time
 import torch
 
 from lantau.config import KernelConfig, ModelConfig
-from lantau.errors import ModelLoadError
 from lantau.model import fp8, hf_loader
 from lantau.model.llama import LlamaForCausalLM
 from lantau.model.parallel import SINGLE, TensorParallel
@@ -75,11 +74,6 @@ def build_model(
     of the model (lantau/model/parallel.py)."""
     if config.quantization == "fp8":
         fp8.check_device(device)
-    if tp.size > 1 and source.kind == "engine":
-        raise ModelLoadError(
-            f"{source.path}: an engine folder loads on one rank only so far; split the model "
-            "over ranks from its HF folder, its GGUF file or a random shape"
-        )
     with torch.device(device), _default_dtype(dtype), _no_init():
         model = LlamaForCausalLM(config, ops, max_positions, kernels, tp)
     model.eval()

@@ -5,6 +5,8 @@ scanner read it).
     REPO/NAME/VERSION/
         lantau-engine.json        this manifest (written last, atomically: no manifest, no version)
         model-00000-of-00003.safetensors ...   weights as the model holds them (qkv / gate_up fused)
+                                  (built for N tensor-parallel ranks: rank{r}-model-... each
+                                  rank's slice, lantau/model/parallel.py)
         tokenizer.json, tokenizer_config.json, ...
         kernels/<key>/            compiled Triton kernels, a cache outside the manifest
                                   (`--compile-kernels`, lantau/model/kernel_cache.py)
@@ -58,6 +60,12 @@ class Manifest:
     shards: tuple[str, ...]  # the weight files, in order
     fingerprint: str
 
+    def shards_of(self, rank: int) -> tuple[str, ...]:
+        """The weight files tensor-parallel rank `rank` reads (all of them on one rank)."""
+        if self.tensor_parallel_size == 1:
+            return self.shards
+        return tuple(s for s in self.shards if s.startswith(rank_prefix(rank)))
+
     @property
     def is_random_weights(self) -> bool:
         return self.source.startswith("random:")
@@ -73,6 +81,11 @@ class Manifest:
         data["tensors"] = {n: [list(t.shape), t.dtype] for n, t in self.tensors.items()}
         data["shards"] = list(self.shards)
         return data
+
+
+def rank_prefix(rank: int) -> str:
+    """How a rank's weight files are named in a folder built for several ranks."""
+    return f"rank{rank}-"
 
 
 def compute_fingerprint(
@@ -151,10 +164,10 @@ def check_manifest(folder: Path, m: Manifest) -> None:
             f"{folder}: build fingerprint mismatch (manifest says {m.fingerprint[:12]}, its "
             f"contents give {expected[:12]}): the manifest was edited or damaged; rebuild it"
         )
-    if m.tensor_parallel_size != 1:
+    if m.tensor_parallel_size < 1 or any(not m.shards_of(r) for r in range(m.tensor_parallel_size)):
         raise ModelLoadError(
-            f"{folder}: built for tensor-parallel size {m.tensor_parallel_size}; this lantau "
-            "serves 1: rebuild with the default"
+            f"{folder}: built for tensor-parallel size {m.tensor_parallel_size}, but some rank "
+            "has no weight files: rebuild this folder"
         )
     for name, entry in m.files.items():
         if "/" in name or "\\" in name or name.startswith("."):
