@@ -281,3 +281,56 @@ def test_a_split_engine_that_fails_to_start_leaves_nothing(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", tensor_parallel_size=2, num_kv_blocks=64)
     (out,) = llm.generate([{"prompt_token_ids": PROMPT[:5]}])
     assert len(out.outputs[0].token_ids) > 0
+
+
+def test_a_dead_worker_fails_the_served_engine_not_its_requests_forever():
+    """SIGKILL of the rank-1 worker mid-stream: the engine core exits at once (a rank waits
+    in its next collective otherwise), the stream ends with an error instead of hanging, and
+    the server stops, leaving no process."""
+    import os
+    import signal
+
+    import httpx
+    import psutil
+
+    from tests.test_hardening import Server, wait_gone
+
+    server = Server("-tp", "2")
+    try:
+        tree = server.tree()
+        core = psutil.Process(server.status()["engine_pid"])
+        (worker,) = [p for p in core.children() if "resource_tracker" not in " ".join(p.cmdline())]
+        body = {"prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=60) as r:
+            for line in filter(None, r.iter_lines()):
+                lines.append(line)
+                if len(lines) == 4:
+                    os.kill(worker.pid, signal.SIGKILL)
+        assert lines[-1] == "data: [DONE]" and any('"error"' in ln for ln in lines), lines[-3:]
+        assert sum('"text"' in ln for ln in lines) < 400
+        assert server.proc.wait(timeout=30) == 1
+        assert not wait_gone(tree, timeout=5.0)
+    finally:
+        server.close()
+
+
+def test_a_worker_dying_while_idle_stops_the_served_engine():
+    """No collective in flight to fail (NCCL would not fail one for minutes): the core's
+    watch on its workers ends the engine, and the server exits non-zero, saying why."""
+    import os
+    import signal
+
+    import psutil
+
+    from tests.test_hardening import Server
+
+    server = Server("-tp", "2")
+    try:
+        core = psutil.Process(server.status()["engine_pid"])
+        (worker,) = [p for p in core.children() if "resource_tracker" not in " ".join(p.cmdline())]
+        os.kill(worker.pid, signal.SIGKILL)
+        assert server.proc.wait(timeout=15) == 1
+    finally:
+        log = server.close()
+    assert "tensor-parallel worker lantau-tp-rank1 exited (code -9)" in log

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from lantau.config import EngineConfig
-from lantau.engine.core_process import run_engine_core
+from lantau.engine.core_process import CORE_PROCESS_NAME, run_engine_core
 from lantau.engine.llm_engine import OutputProcessor
 from lantau.engine.protocol import (
     HEARTBEAT_S,
@@ -99,7 +99,7 @@ def spawn_core(config: EngineConfig | None, source: ModelSource | None) -> Spawn
     process = multiprocessing.get_context("spawn").Process(
         target=run_engine_core,
         args=(config, source, core.in_addr, core.out_addr),
-        name="lantau-engine-core",
+        name=CORE_PROCESS_NAME,
         daemon=True,
     )
     started = time.perf_counter()

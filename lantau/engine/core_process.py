@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # NOTE: imported by the frontend; torch loads only in the cor
 
 logger = logging.getLogger(__name__)
 
+CORE_PROCESS_NAME = "lantau-engine-core"  # the served engine core's process
+
 
 # NOTE: test-only: a file holding seconds to sleep after each step (read at most every
 # 0.2 s), so a live test can slow a served engine down and speed it up again

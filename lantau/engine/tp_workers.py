@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import tempfile
@@ -85,6 +86,25 @@ class Workers:
             theirs.close()
             self.pipes.append(ours)
             self.processes.append(process)
+        self.stopping = False
+        threading.Thread(target=self._watch, name="lantau-tp-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """A worker that dies leaves rank 0 waiting in its next collective (NCCL: until the
+        group's timeout): a served engine core exits at once instead, so its server reports
+        the engine dead and fails the requests in flight (gloo raises in rank 0 by itself)."""
+        processes = list(self.processes)
+        ready = multiprocessing.connection.wait([p.sentinel for p in processes])
+        if self.stopping:
+            return
+        dead = next(p for p in processes if p.sentinel in ready)
+        dead.join(1.0)  # its exit code
+        logger.error("tensor-parallel worker %s exited (code %s); the engine cannot go on",
+                     dead.name, dead.exitcode)  # fmt: skip
+        from lantau.engine.core_process import CORE_PROCESS_NAME
+
+        if multiprocessing.current_process().name == CORE_PROCESS_NAME:
+            os._exit(1)
 
     def wait_built(self) -> None:
         """Wait until every worker has its slice of the model; RuntimeError with the first
@@ -107,6 +127,7 @@ class Workers:
             pipe.send(message)
 
     def stop(self) -> None:
+        self.stopping = True
         for pipe in self.pipes:
             with contextlib.suppress(OSError):  # a worker already gone
                 pipe.send(("stop",))
