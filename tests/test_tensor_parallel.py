@@ -334,3 +334,37 @@ def test_a_worker_dying_while_idle_stops_the_served_engine():
     finally:
         log = server.close()
     assert "tensor-parallel worker lantau-tp-rank1 exited (code -9)" in log
+
+
+def test_fp8_random_weights_split():
+    """random:tiny in fp8 on each of 2 ranks (no group needed to build): the column-split
+    layers' e4m3 rows and scales are exactly the whole model's rows; the row-split layers'
+    (o_proj, down_proj: scales over the rank's columns) dequantize to the whole model's
+    columns within one e4m3 step (two roundings of the same values, 2^-3 apart at most)."""
+    from lantau.model.fp8 import dequantize_rows
+    from lantau.model.parallel import split_axis
+
+    source = resolve_model_source("random:tiny")
+    config = dataclasses.replace(read_model_config(source), quantization="fp8")
+
+    def params(tp: TensorParallel) -> dict[str, torch.Tensor]:
+        model = build_model(source, config, torch.bfloat16, torch.device("cpu"), 3, tp=tp)
+        return dict(model.named_parameters())
+
+    whole = params(SINGLE)
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        ours = params(tp)
+        for name, param in ours.items():
+            tied = name == "lm_head.weight" and name not in whole  # the embedding's rows
+            expected = tp.shard(name, whole["model.embed_tokens.weight" if tied else name], config)
+            if param.dtype != torch.float8_e4m3fn:  # embedding, norms, lm_head; scales
+                if not (name.endswith("_scale") and split_axis(name) is None):
+                    assert torch.equal(param, expected), name
+                continue
+            if split_axis(name) == 0:  # the same rows, the same bytes
+                assert torch.equal(param.view(torch.uint8), expected.view(torch.uint8)), name
+            scale = name + "_scale"
+            mine = dequantize_rows(param, ours[scale])
+            theirs = tp.shard(name, dequantize_rows(whole[name], whole[scale]), config)
+            assert torch.allclose(mine, theirs, rtol=0.13, atol=1e-3), name  # an e4m3 step
