@@ -368,3 +368,31 @@ def test_fp8_random_weights_split():
             mine = dequantize_rows(param, ours[scale])
             theirs = tp.shard(name, dequantize_rows(whole[name], whole[scale]), config)
             assert torch.allclose(mine, theirs, rtol=0.13, atol=1e-3), name  # an e4m3 step
+
+
+def test_a_step_reaches_the_workers_whole():
+    """What the workers decode is the step rank 0 scheduled, every sampling field included
+    (a field msgpack cannot carry would fail here, not as ranks drifting apart)."""
+    import msgspec
+
+    from lantau.request import SamplingParams
+    from lantau.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    params = SamplingParams(
+        n=2, max_tokens=7, temperature=0.5, top_k=5, top_p=0.8, min_p=0.1,
+        repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.4, seed=9,
+        stop=("x", "yz"), stop_token_ids=(3, 4), ignore_eos=True,
+        include_stop_str_in_output=True, logprobs=3, skip_special_tokens=False,
+        detokenize=False,
+    )  # fmt: skip
+    assert all(getattr(params, f) != getattr(SamplingParams(), f)
+               for f in SamplingParams.__dataclass_fields__)  # fmt: skip
+    out = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a#0", [1, 2, 3], 2, params, [4, 5], 1)],
+        scheduled_cached_reqs=[CachedRequestData("b#1", [9], 40)],
+        num_scheduled_tokens={"a#0": 2, "b#1": 1},
+        finished_req_ids={"c#0"},
+        preempted_req_ids={"d#0"},
+    )
+    data = msgspec.msgpack.Encoder().encode(out)
+    assert msgspec.msgpack.Decoder(SchedulerOutput).decode(data) == out

@@ -10,9 +10,11 @@ ModelRunner over its slice of the model (lantau/model/parallel.py), driven in lo
       runner.collect(step) ── serial ──────►    runner.collect(step)
 
 Every runner call rank 0 makes (`SplitRunner`), each worker makes with the same arguments in
-the same order, so the ranks' request states, KV caches (each its own heads) and sampled tokens
-stay the same: the logits are all-gathered whole on every rank, and the samplers' and the
-requests' generators are seeded alike. Only rank 0's outputs are used; only rank 0 schedules.
+the same order (a step's SchedulerOutput as msgpack: ~7x cheaper than a pickle on rank 0's
+side, 39 against 266 us at 384 rows on a CI core), so the ranks' request states, KV caches
+(each its own heads) and sampled tokens stay the same: the logits are all-gathered whole on
+every rank, and the samplers' and the requests' generators are seeded alike. Only rank 0's
+outputs are used; only rank 0 schedules.
 
 Start-up: every rank builds its slice of the model first (no collective yet: a rank that fails
 there is reported, not waited on), then the group forms, and the KV cache is sized to what the
@@ -26,20 +28,24 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import shutil
 import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
 
+import msgspec
 import torch
 
 from lantau.config import EngineConfig
 from lantau.model.parallel import TensorParallel, init_tensor_parallel
+from lantau.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0
+LAUNCH = b"L"  # a message's first byte: a step to launch (a pickle starts with 0x80)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -87,6 +93,7 @@ class Workers:
             self.pipes.append(ours)
             self.processes.append(process)
         self.stopping = False
+        self._encoder = msgspec.msgpack.Encoder()
         threading.Thread(target=self._watch, name="lantau-tp-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -125,6 +132,12 @@ class Workers:
     def send(self, *message) -> None:
         for pipe in self.pipes:
             pipe.send(message)
+
+    def send_step(self, out) -> None:
+        """A step to launch: its SchedulerOutput as msgpack (`LAUNCH` first)."""
+        data = LAUNCH + self._encoder.encode(out)
+        for pipe in self.pipes:
+            pipe.send_bytes(data)
 
     def stop(self) -> None:
         self.stopping = True
@@ -178,7 +191,7 @@ class SplitRunner:
         return getattr(self.runner, name)
 
     def launch(self, out):
-        self.workers.send("launch", out)
+        self.workers.send_step(out)
         step = self.runner.launch(out)
         step.serial = self._num_launched  # sample and collect name it by this
         self._num_launched += 1
@@ -239,17 +252,20 @@ def run_worker(
     runner = ModelRunner(config.with_num_blocks(num_blocks), model, num_blocks, device)
     steps: dict[int, object] = {}  # launched steps with rows to sample, by serial
     num_launched = 0
+    decoder = msgspec.msgpack.Decoder(SchedulerOutput)
     while True:
         try:
-            method, *args = pipe.recv()
+            data = pipe.recv_bytes()
         except EOFError:  # rank 0 is gone
             break
-        if method == "launch":
-            step = runner.launch(args[0])
+        if data[:1] == LAUNCH:
+            step = runner.launch(decoder.decode(memoryview(data)[1:]))
             if step.sample_ids:
                 steps[num_launched] = step
             num_launched += 1
-        elif method == "sample":
+            continue
+        method, *args = pickle.loads(data)
+        if method == "sample":
             runner.sample(steps[args[0]])
         elif method == "collect":
             runner.collect(steps.pop(args[0]))
