@@ -46,8 +46,9 @@ class EngineCore:
         self.startup_s: dict[str, float] = {}
         tp, self.workers = SINGLE, None
         if config.tensor_parallel_size > 1:  # ranks 1.. build their slices meanwhile
-            from lantau.engine.tp_workers import Workers, stop_split_engine
+            from lantau.engine.tp_workers import Workers, share_cpu_threads, stop_split_engine
 
+            share_cpu_threads(config)
             tp = TensorParallel(0, config.tensor_parallel_size)
             self.workers = Workers(config, source)
             stop = weakref.finalize(self, stop_split_engine, self.workers)
