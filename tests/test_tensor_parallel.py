@@ -396,3 +396,15 @@ def test_a_step_reaches_the_workers_whole():
     )
     data = msgspec.msgpack.Encoder().encode(out)
     assert msgspec.msgpack.Decoder(SchedulerOutput).decode(data) == out
+
+
+def test_more_ranks_than_gpus_is_refused():
+    from lantau.engine.args import build_engine_config
+    from lantau.engine.tp_workers import check_devices
+
+    config, _ = build_engine_config("random:tiny", device="cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 needs as many GPUs.*1 visible"):
+        check_devices(config, 1)
+    check_devices(config, 2)
+    cpu, _ = build_engine_config("random:tiny", device="cpu", tensor_parallel_size=2)
+    check_devices(cpu, 0)  # the CPU's ranks share it

@@ -46,8 +46,14 @@ class EngineCore:
         self.startup_s: dict[str, float] = {}
         tp, self.workers = SINGLE, None
         if config.tensor_parallel_size > 1:  # ranks 1.. build their slices meanwhile
-            from lantau.engine.tp_workers import Workers, share_cpu_threads, stop_split_engine
+            from lantau.engine.tp_workers import (
+                Workers,
+                check_devices,
+                share_cpu_threads,
+                stop_split_engine,
+            )
 
+            check_devices(config, torch.cuda.device_count())
             share_cpu_threads(config)
             tp = TensorParallel(0, config.tensor_parallel_size)
             self.workers = Workers(config, source)

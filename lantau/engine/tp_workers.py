@@ -55,6 +55,15 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device(config.device)
 
 
+def check_devices(config: EngineConfig, num_gpus: int) -> None:
+    """ValueError when the ranks would not each have a GPU of their own."""
+    if config.device.startswith("cuda") and config.tensor_parallel_size > num_gpus:
+        raise ValueError(
+            f"tensor_parallel_size {config.tensor_parallel_size} needs as many GPUs, one a "
+            f"rank; {num_gpus} visible (CUDA_VISIBLE_DEVICES)"
+        )
+
+
 def share_cpu_threads(config: EngineConfig) -> None:
     """On the CPU (gloo: the tests' ranks), each rank takes its share of the cores: two ranks
     of two threads each on two cores ran a token in 31 ms, of one thread each in 8 ms."""
