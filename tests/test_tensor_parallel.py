@@ -213,6 +213,7 @@ def test_served_split_model_and_a_killed_server_leaves_no_process():
     body = {"prompt": "Count with me:", "max_tokens": 16, "temperature": 0.0}
     server = Server("-tp", "2")
     try:
+        assert server.status()["tensor_parallel_size"] == 2
         tree = server.tree()
         assert len(tree) >= 4, tree  # the server, its core, the core's worker (+ a tracker)
         served = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60).json()
