@@ -427,3 +427,24 @@ def test_split_engine_through_preemption(tiny_llama_dir):
     del split
     one = LLM(str(tiny_llama_dir), **common)
     assert tokens == [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+
+
+def test_split_engine_prefix_cache_hits(tiny_llama_dir):
+    """A prompt sharing a cached prefix: the hit skips those tokens on every rank (each holds
+    its heads of the same blocks), and the tokens equal the one-rank engine's."""
+    from lantau import LLM, SamplingParams
+
+    base = [(7 * i) % 500 for i in range(64)]
+    prompts = [base + [11, 12], base + [13, 14, 15]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    common = dict(dtype="float32", device="cpu", num_kv_blocks=64)
+
+    def run(llm) -> list[list[int]]:
+        return [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids
+                for p in prompts]  # fmt: skip
+
+    split = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **common)
+    tokens = run(split)
+    assert split.engine.core.scheduler.num_prefix_hit_tokens >= 64
+    del split
+    assert tokens == run(LLM(str(tiny_llama_dir), **common))
