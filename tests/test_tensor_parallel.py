@@ -448,3 +448,19 @@ def test_split_engine_prefix_cache_hits(tiny_llama_dir):
     assert split.engine.core.scheduler.num_prefix_hit_tokens >= 64
     del split
     assert tokens == run(LLM(str(tiny_llama_dir), **common))
+
+
+def test_default_model_split_over_three_ranks():
+    """The default model's real weights (SmolLM2's GGUF: 9 heads, 3 KV heads) split over 3
+    ranks, each dequantizing the file and keeping its slice: the same greedy text."""
+    from lantau import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    common = dict(device="cpu", max_model_len=256, num_kv_blocks=64)
+    split = LLM(None, tensor_parallel_size=3, **common)
+    texts = [o.outputs[0].text for o in split.generate(prompts, params)]
+    del split
+    one = LLM(None, **common)
+    assert texts == [o.outputs[0].text for o in one.generate(prompts, params)]
+    assert "Paris" in texts[0]
