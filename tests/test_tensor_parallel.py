@@ -376,6 +376,7 @@ def test_a_step_reaches_the_workers_whole():
     (a field msgpack cannot carry would fail here, not as ranks drifting apart)."""
     import msgspec
 
+    from lantau.engine.tp_workers import Launch, WorkerMessage
     from lantau.request import SamplingParams
     from lantau.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -395,8 +396,8 @@ def test_a_step_reaches_the_workers_whole():
         finished_req_ids={"c#0"},
         preempted_req_ids={"d#0"},
     )
-    data = msgspec.msgpack.Encoder().encode(out)
-    assert msgspec.msgpack.Decoder(SchedulerOutput).decode(data) == out
+    data = msgspec.msgpack.Encoder().encode(Launch(out))
+    assert msgspec.msgpack.Decoder(WorkerMessage).decode(data) == Launch(out)
 
 
 def test_more_ranks_than_gpus_is_refused():
