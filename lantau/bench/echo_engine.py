@@ -52,6 +52,7 @@ class EchoEngine:
         self.stats = StepStats()
         self.num_blocks = 0
         self.kv_cache_dtype = "none"  # no KV cache
+        self.tensor_parallel_size = 1
         self.dead: str | None = None
         self.process = _ThisProcess()
         self.startup_s: dict[str, float] = {}

@@ -212,6 +212,10 @@ class AsyncLLM:
     def kv_cache_dtype(self) -> str:
         return self.config.cache.kv_cache_dtype
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
+
     def is_ready(self, max_silence_s: float) -> bool:
         """Model loaded, the process alive, and the core heard from recently."""
         if self.dead is not None or not self.process.is_alive():

@@ -172,7 +172,7 @@ def build_app(
                 num_kv_blocks=engine.num_blocks,
                 kv_cache_dtype=engine.kv_cache_dtype,
                 engine_pid=engine.process.pid,
-                tensor_parallel_size=engine.config.tensor_parallel_size,
+                tensor_parallel_size=engine.tensor_parallel_size,
                 startup_s=engine.startup_s,
             )
         if control is not None:
