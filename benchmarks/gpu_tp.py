@@ -18,12 +18,40 @@ import argparse
 import gc
 import json
 import os
+import time
 
 import torch
 
 from lantau import LLM, SamplingParams
 from lantau.bench.offline import run_lantau
 from lantau.bench.workloads import make_workload
+
+
+def encode_cost(num_rows: int = 384, repeats: int = 200) -> dict[str, float]:
+    """Rank 0's cost of sending one decode step of num_rows requests to its workers: the
+    SchedulerOutput as the typed msgpack message it sends, against a pickle (us)."""
+    import pickle
+
+    import msgspec
+
+    from lantau.engine.tp_workers import Launch
+    from lantau.scheduler.output import CachedRequestData, SchedulerOutput
+
+    ids = [f"cmpl-{i:04d}-0123456789abcdef#0" for i in range(num_rows)]
+    out = SchedulerOutput(
+        scheduled_cached_reqs=[CachedRequestData(r, [i] if i % 16 == 0 else [], 500 + i)
+                               for i, r in enumerate(ids)],
+        num_scheduled_tokens=dict.fromkeys(ids, 1),
+    )  # fmt: skip
+    encoder, cost = msgspec.msgpack.Encoder(), {}
+    for name, encode in (("msgpack", lambda: encoder.encode(Launch(out))),
+                         ("pickle", lambda: pickle.dumps(out))):  # fmt: skip
+        start = time.perf_counter()
+        for _ in range(repeats):
+            encode()
+        cost[name] = (time.perf_counter() - start) / repeats * 1e6
+    return cost
+
 
 CHECK_PROMPTS = [[1, 15, 900, 42, 7, 3000, 12, 88], [5] * 40, list(range(100, 400))]
 
@@ -42,8 +70,11 @@ def main() -> None:
     ]  # fmt: skip
     card = torch.cuda.get_device_name() if num_gpus else "cpu (gloo: a smoke run)"
     print(torch.__version__, num_gpus, "x", card, flush=True)
+    cost = encode_cost()
+    print(f"a 384-row decode step to the workers: msgpack {cost['msgpack']:.1f} us to encode, "
+          f"pickle {cost['pickle']:.1f} us", flush=True)  # fmt: skip
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    results, reference, table = {}, None, []
+    results, reference, table = {"encode_us": cost}, None, []
     for size in sizes:
         llm = LLM(args.model, tensor_parallel_size=size, max_model_len=4096,
                   max_num_seqs=384, enforce_eager=args.eager)  # fmt: skip
