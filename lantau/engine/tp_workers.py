@@ -11,7 +11,7 @@ ModelRunner over its slice of the model (lantau/model/parallel.py), driven in lo
 
 Every runner call rank 0 makes (`SplitRunner`), each worker makes with the same arguments in
 the same order (one typed message a call, `WorkerMessage`, as msgpack: a 384-row step encodes
-~7x faster than as a pickle on rank 0's side, 39 against 266 us on a CI core), so the ranks'
+~7x faster than as a pickle on rank 0's side, 37 against 254 us on a CI core), so the ranks'
 request states, KV caches (each its own heads) and sampled tokens stay the same: the logits are
 all-gathered whole on every rank, and the samplers' and the requests' generators are seeded
 alike. Only rank 0's outputs are used; only rank 0 schedules.
