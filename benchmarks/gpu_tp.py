@@ -1,6 +1,7 @@
 """Tensor parallelism on a multi-GPU machine, in one call: for each size (default 1, 2 and every
-power of two up to the GPUs there), a fresh engine on random:llama3-8b (bf16) checked against
-the one-rank engine's greedy tokens, then W2 (batch 1, ms a token) and a W3 throughput row.
+power of two up to the GPUs there), a fresh engine on random:llama3-8b (bf16), each in its own
+process, checked against the first size's greedy tokens, then W2 (batch 1, ms a token) and a
+W3 throughput row.
 
     PYTHONPATH=. python3 benchmarks/gpu_tp.py [--sizes 1,2,4] [--model random:llama3-8b] \\
         [--w3 W3-1000] [--w3-prompts 256] [--eager]
@@ -15,9 +16,10 @@ all-reduces of large steps move hidden x tokens x 2 bytes each).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -56,6 +58,19 @@ def encode_cost(num_rows: int = 384, repeats: int = 200) -> dict[str, float]:
 CHECK_PROMPTS = [[1, 15, 900, 42, 7, 3000, 12, 88], [5] * 40, list(range(100, 400))]
 
 
+def run_size(args, size: int) -> dict:
+    """One engine split over `size` ranks: its greedy tokens on CHECK_PROMPTS, W2, a W3 row."""
+    llm = LLM(args.model, tensor_parallel_size=size, max_model_len=4096, max_num_seqs=384,
+              enforce_eager=args.eager)  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in CHECK_PROMPTS], greedy)
+    row = {"tokens": [o.outputs[0].token_ids for o in outputs]}
+    for spec, n in (("W2", None), (args.w3, args.w3_prompts)):
+        w = make_workload(spec, llm.config.model_config.vocab_size, n)
+        row[spec] = {**run_lantau(llm, w).summary(), "num_prompts": w.num_prompts}
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default=None, help="e.g. 1,2,4 (default: powers of 2)")
@@ -63,7 +78,11 @@ def main() -> None:
     parser.add_argument("--w3", default="W3-1000")
     parser.add_argument("--w3-prompts", type=int, default=256)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
+    parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)  # a child's size
     args = parser.parse_args()
+    if args.one:  # NOTE: each size in its own process: a GPU process keeps its NCCL group
+        print("RESULT " + json.dumps(run_size(args, args.one)), flush=True)
+        return
     num_gpus = torch.cuda.device_count()
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [
         1 << i for i in range(num_gpus.bit_length()) if 1 << i <= num_gpus
@@ -73,32 +92,33 @@ def main() -> None:
     cost = encode_cost()
     print(f"a 384-row decode step to the workers: msgpack {cost['msgpack']:.1f} us to encode, "
           f"pickle {cost['pickle']:.1f} us", flush=True)  # fmt: skip
-    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     results, reference, table = {"encode_us": cost}, None, []
     for size in sizes:
-        llm = LLM(args.model, tensor_parallel_size=size, max_model_len=4096,
-                  max_num_seqs=384, enforce_eager=args.eager)  # fmt: skip
-        outputs = llm.generate([{"prompt_token_ids": p} for p in CHECK_PROMPTS], greedy)
-        tokens = [o.outputs[0].token_ids for o in outputs]
-        reference = reference or tokens
-        same = sum(a == b for a, b in zip(tokens, reference, strict=True))
-        row = {"greedy_same_as_tp1": f"{same}/{len(tokens)}"}
-        for spec, n in (("W2", None), (args.w3, args.w3_prompts)):
-            w = make_workload(spec, llm.config.model_config.vocab_size, n)
-            stats = run_lantau(llm, w).summary()
-            row[spec] = stats
-            figure = (f"{stats['ms_per_token']:.2f} ms/token" if spec == "W2"
-                      else f"{stats['output_tok_s']:.0f} tok/s x{w.num_prompts}")  # fmt: skip
+        child = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--one", str(size)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
+        if child.returncode or not lines:
+            print(f"| tp {size} | failed (exit {child.returncode}) | {child.stderr[-800:]}")
+            continue
+        row = json.loads(lines[-1].removeprefix("RESULT "))
+        reference = reference or row["tokens"]
+        same = sum(a == b for a, b in zip(row["tokens"], reference, strict=True))
+        row["greedy_same_as_first"] = f"{same}/{len(reference)}"
+        for spec in ("W2", args.w3):
+            stats = row[spec]
+            if spec == "W2":
+                figure = f"{stats['ms_per_token']:.2f} ms/token"
+            else:
+                figure = f"{stats['output_tok_s']:.0f} tok/s x{stats['num_prompts']}"
             table.append(f"| tp {size} | {spec} | {figure} | GPU util {stats['gpu_util_pct']}% "
-                         f"| greedy {row['greedy_same_as_tp1']} |")  # fmt: skip
+                         f"| greedy {row['greedy_same_as_first']} |")  # fmt: skip
             print(table[-1], flush=True)
         results[size] = row
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
     with open(os.path.join(os.environ.get("OUT", "."), "gpu_tp.json"), "w") as f:
         json.dump(results, f, indent=1)
-    print("\n| size | workload | figure | GPU | tokens vs tp 1 |")
+    print("\n| size | workload | figure | GPU | tokens vs the first size |")
     print("\n".join(table))
 
 

@@ -114,8 +114,9 @@ class Workers:
     def __init__(self, config: EngineConfig, source) -> None:
         if torch.distributed.is_initialized():
             raise RuntimeError(
-                "a tensor-parallel engine is running in this process already: one split engine "
-                "a process (stop the other first)"
+                "this process is in a tensor-parallel group already: one split engine a "
+                "process (on the CPU, a stopped one's group is left; on GPUs it stays until "
+                "the process exits)"
             )
         self.size = config.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="lantau-tp-")
@@ -211,10 +212,17 @@ def _children_allowed():
 
 
 def stop_split_engine(workers: Workers) -> None:
-    """Rank 0's end: its workers stopped, its side of the group destroyed (another split
-    engine may start in this process after it)."""
+    """Rank 0's end: its workers stopped, its side of the group left (another split engine
+    may start in this process after it, on the CPU)."""
     workers.stop()
-    if torch.distributed.is_initialized():
+    leave_group()
+
+
+def leave_group() -> None:
+    """Destroy this process's group, but for NCCL's: destroying one whose collectives were
+    captured in CUDA graphs can hang (pytorch#115388), so a GPU process keeps its group until
+    it exits (one split engine a process there)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() != "nccl":
         torch.distributed.destroy_process_group()
 
 
@@ -292,7 +300,7 @@ def run_worker(
     )
     runner = ModelRunner(config.with_num_blocks(num_blocks), model, num_blocks, device)
     _serve_rank_zero(runner, pipe)
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def _serve_rank_zero(runner, pipe: Connection) -> None:
