@@ -465,3 +465,21 @@ def test_default_model_split_over_three_ranks():
     one = LLM(None, **common)
     assert texts == [o.outputs[0].text for o in one.generate(prompts, params)]
     assert "Paris" in texts[0]
+
+
+def test_split_engine_with_an_fp8_kv_cache(tiny_llama_dir):
+    """Each rank's e4m3 KV cache of its own heads (per-tensor scales, as one rank's): the
+    same greedy tokens as the one-rank engine with the same cache."""
+    from lantau import LLM, SamplingParams
+    from tests.test_parity_hf import make_prompts
+
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    common = dict(dtype="float32", device="cpu", num_kv_blocks=64, kv_cache_dtype="fp8")
+    split = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **common)
+    assert split.engine.core.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert split.engine.core.runner.kv_caches[0].shape[3] == 1  # 2 KV heads, one a rank
+    tokens = [o.outputs[0].token_ids for o in split.generate(prompts, params)]
+    del split
+    one = LLM(str(tiny_llama_dir), **common)
+    assert tokens == [o.outputs[0].token_ids for o in one.generate(prompts, params)]
