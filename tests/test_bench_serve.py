@@ -329,6 +329,7 @@ def test_server_metrics_sampled_or_absent():
     with FakeOpenAIServer(lambda body: script) as server:
         result = run_serve(config(server, num_requests=2))
     assert result.server_metrics == {"status": "absent (HTTP 404)", "num_samples": 0, "series": {}}
+    assert result.server_status is None  # no /status there: the report goes without it
 
 
 def test_time_breakdown_from_the_servers_histograms():
@@ -451,7 +452,12 @@ def test_against_lantau_serve(tmp_path):
     # the garbage collector over the run, both processes (their start-up heaps frozen first)
     for process in ("core", "frontend"):
         assert b[f"{process}_gc_paused_ms"] >= 0 and b[f"{process}_gc_full_collections"] >= 0
-    assert "garbage collection over the run: engine cores" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "garbage collection over the run: engine cores" in report
+    status = result["server_status"]  # the deployment, from lantau's /status
+    assert status["num_kv_blocks"] == 64 and status["tensor_parallel_size"] == 1
+    assert status["model"] == "random:tiny" and status["startup_s"]["total"] > 0
+    assert "Server: KV cache 64 blocks (auto), tensor-parallel 1, ready in" in report
     for name in ("report.md", "report.html", "latency_cdf.png"):
         assert (tmp_path / name).exists()
 

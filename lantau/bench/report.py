@@ -169,11 +169,30 @@ def _metrics_blocks(run: dict) -> list[Block]:
     return blocks
 
 
+def _server_line(run: dict) -> str | None:
+    """'Server: KV cache 64 blocks (auto), tensor-parallel 2, ready in 4.1 s' from /status."""
+    status = run.get("server_status")
+    if not status:
+        return None
+    parts = []
+    if "num_kv_blocks" in status:
+        parts.append(f"KV cache {status['num_kv_blocks']:,} blocks "
+                     f"({status.get('kv_cache_dtype', '?')})")  # fmt: skip
+    if "tensor_parallel_size" in status:
+        parts.append(f"tensor-parallel {status['tensor_parallel_size']}")
+    total = (status.get("startup_s") or {}).get("total")
+    if total is not None:
+        parts.append(f"ready in {total:.1f} s")
+    return "Server: " + ", ".join(parts) if parts else None
+
+
 def serve_blocks(result: dict) -> list[Block]:
     s = result["summary"]
+    server = _server_line(result)
     blocks: list[Block] = [
         ("h1", f"lantau bench serve: {result['config']['workload']}"),
         ("p", _config_line(result)),
+        *([("p", server)] if server else []),
         _throughput_table(result),
         _latency_table(s),
     ]

@@ -72,6 +72,9 @@ class ServeResult:
     gpu_util: tuple[tuple[float, float], ...]  # (seconds from the start, % busy)
     server_metrics: dict  # MetricsSampler.summary()
     started_at: str  # ISO 8601, local time
+    # what the server says of itself before the run (lantau's /status: its engine's KV
+    # cache, tensor-parallel size, start-up); None from a server without one
+    server_status: dict | None = None
 
     def to_dict(self) -> dict:
         summary = asdict(self.summary)
@@ -88,6 +91,7 @@ class ServeResult:
             "gpu_util_mean": _mean([u for _, u in self.gpu_util]),
             "gpu_util": [list(s) for s in self.gpu_util],
             "server_metrics": self.server_metrics,
+            "server_status": self.server_status,
             "time_breakdown": time_breakdown(self.summary, self.server_metrics.get("series", {})),
             "records": [{**asdict(r), "tpot_s": r.tpot_s} for r in self.records],
         }
@@ -342,6 +346,21 @@ async def _served_model(session, base: str, headers: dict) -> str | None:
     return None
 
 
+STATUS_FIELDS = ("model", "num_kv_blocks", "kv_cache_dtype", "tensor_parallel_size", "startup_s")
+
+
+async def _server_status(session, base: str, headers: dict) -> dict | None:
+    """lantau's /status fields that describe the deployment (STATUS_FIELDS), or None."""
+    try:
+        async with session.get(f"{base}/status", headers=headers) as resp:
+            if resp.status == 200:
+                status = await resp.json()
+                return {k: status[k] for k in STATUS_FIELDS if k in status} or None
+    except Exception:  # another server, or none there: the report goes without it
+        pass
+    return None
+
+
 async def _probe(session, url: str, body: dict, headers: dict) -> None:
     """One short request (the first prompt's start, 2 tokens): a wrong URL, model or vocab
     fails here with the server's message rather than as N errors."""
@@ -391,6 +410,7 @@ async def run_serve_async(
     timeout = aiohttp.ClientTimeout(total=None, connect=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = config.model or await _served_model(session, base, headers)
+        status = await _server_status(session, base, headers)
         bodies = [request_body(r, config, model) for r in requests]
         if config.is_probed and bodies:
             await _probe(session, base + endpoint, bodies[0], headers)
@@ -419,6 +439,7 @@ async def run_serve_async(
         gpu_util=tuple(zip(gpu.times_s, gpu.samples, strict=True)),
         server_metrics=metrics.summary(),
         started_at=started_at,
+        server_status=status,
     )
 
 
