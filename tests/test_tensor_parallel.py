@@ -58,7 +58,7 @@ def split_logits(model_name: str, tp: TensorParallel, dtype=torch.float32) -> to
 
 
 def _rank(rank: int, size: int, address: str, model_name: str, out: str) -> None:
-    tp = init_tensor_parallel(rank, size, address, "gloo")
+    tp = init_tensor_parallel(rank, size, address, torch.device("cpu"))
     try:
         logits = split_logits(model_name, tp)
         torch.save(logits, f"{out}.{rank}")

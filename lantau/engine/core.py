@@ -87,7 +87,7 @@ class EngineCore:
         )
         if self.workers is not None:
             self.workers.wait_built()
-            init_tensor_parallel(0, tp.size, self.workers.address)
+            init_tensor_parallel(0, tp.size, self.workers.address, self.device)
         self.startup_s["model" if background else "weights"] = time.perf_counter() - clock
         clock = time.perf_counter()
         num_blocks = config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)

@@ -294,7 +294,7 @@ def run_worker(
         pipe.send(("error", f"{type(e).__name__}: {e}"))
         return
     pipe.send(("built", None))
-    init_tensor_parallel(rank, config.tensor_parallel_size, address)
+    init_tensor_parallel(rank, config.tensor_parallel_size, address, device)
     num_blocks = agree_num_blocks(
         config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
     )

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-# the fused parameters' parts, in the order they are stacked (their sizes: `_parts`)
+# the fused parameters' parts, in the order they are stacked (their sizes: q_size, kv_size,
+# intermediate_size; `TensorParallel.shard`)
 _STACKED = {"qkv_proj": ("q", "kv", "kv"), "gate_up_proj": ("i", "i")}
 # HF's unfused projections: what each is a part of
 _PART_OF = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "i", "up_proj": "i"}
@@ -103,11 +104,12 @@ SINGLE = TensorParallel()
 
 
 def init_tensor_parallel(
-    rank: int, size: int, init_method: str, backend: str = ""
+    rank: int, size: int, init_method: str, device: torch.device
 ) -> TensorParallel:
     """Join the group of `size` ranks at `init_method` (a `tcp://host:port` or `file://`
-    address every rank is given): NCCL when CUDA is there, gloo otherwise (CPU, the tests)."""
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    address every rank is given): NCCL for ranks on GPUs, gloo on the CPU (the tests, or
+    `--device cpu` on a machine that has GPUs too)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=size
     )
