@@ -9,11 +9,10 @@ which frees its KV blocks at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
-import os
 import pickle
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -85,6 +84,22 @@ class SpawnedCore(NamedTuple):
     @property
     def out_addr(self) -> str:
         return f"ipc://{self.ipc_dir}/out"
+
+    def stop(self) -> None:
+        """Stop the process (stop_process) and remove its sockets' folder."""
+        stop_process(self.process)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def stop_process(process: multiprocessing.process.BaseProcess, timeout_s: float = 5.0) -> None:
+    """Terminate the process; kill it if it is still there after timeout_s (hung, or
+    stopped): an engine core must not outlive its server."""
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout_s)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout_s)
 
 
 def spawn_core(config: EngineConfig | None, source: ModelSource | None) -> SpawnedCore:
@@ -191,18 +206,11 @@ class AsyncLLM:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        if getattr(self, "process", None) is not None and self.process.is_alive():
-            self.process.terminate()
-            await asyncio.to_thread(self.process.join, 5)
-            if self.process.is_alive():  # hung (or stopped): it must not outlive the server
-                self.process.kill()
-                await asyncio.to_thread(self.process.join, 5)
+        if getattr(self, "process", None) is not None:
+            await asyncio.to_thread(stop_process, self.process)
         if getattr(self, "_ctx", None) is not None:
             self._ctx.destroy(linger=0)
-        with contextlib.suppress(OSError):
-            for name in ("in", "out"):
-                os.unlink(f"{self._ipc_dir}/{name}")
-            os.rmdir(self._ipc_dir)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     @property
     def max_model_len(self) -> int:

@@ -21,7 +21,6 @@ import collections
 import contextlib
 import logging
 import math
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -283,11 +282,7 @@ class ModelManager(ModelRouter):
     async def _stop_standby(self) -> None:
         standby, self.standby = self.standby, None
         if standby is not None:
-            standby.process.terminate()
-            await asyncio.to_thread(standby.process.join, 5)
-            if standby.process.is_alive():
-                standby.process.kill()
-            shutil.rmtree(standby.ipc_dir, ignore_errors=True)
+            await asyncio.to_thread(standby.stop)
 
     async def _poll_loop(self) -> None:
         while True:
