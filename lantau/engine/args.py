@@ -8,6 +8,7 @@ import dataclasses
 
 from lantau import envs
 from lantau.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
+from lantau.model.manifest import Manifest, read_manifest
 from lantau.model.source import ModelSource, read_model_config, resolve_model_source
 
 # "fp8": bfloat16 activations, e4m3 weights in every decoder linear layer
@@ -50,12 +51,14 @@ def build_engine_config(
     the triton backend's choices (default: KernelConfig's, PDL as LANTAU_PDL says);
     `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" (e4m3, twice the tokens)."""
     source = resolve_model_source(model)
-    model_config = read_model_config(source)
-    tensor_parallel_size = ranks_for(source, tensor_parallel_size)
+    # an engine folder's manifest, read once: its model, its ranks and its dtype
+    manifest = read_manifest(source.path) if source.kind == "engine" else None
+    model_config = manifest.model_config if manifest else read_model_config(source)
+    tensor_parallel_size = ranks_for(source.name, manifest, tensor_parallel_size)
     if tensor_parallel_size > 1:
         model_config.check_split(tensor_parallel_size)
-    if source.kind == "engine":
-        dtype = engine_folder_dtype(source, dtype_name(dtype))
+    if manifest is not None:
+        dtype = engine_folder_dtype(source.name, manifest, dtype_name(dtype))
     max_len = min(max_model_len or model_config.max_position_embeddings, 1 << 20)
     if max_len > model_config.max_position_embeddings:
         raise ValueError(
@@ -100,36 +103,31 @@ def build_engine_config(
     return config, source
 
 
-def ranks_for(source: ModelSource, asked: int | None) -> int:
+def ranks_for(name: str, manifest: Manifest | None, asked: int | None) -> int:
     """The tensor-parallel size: what was asked (None: an engine folder's own, else 1); an
-    engine folder runs on the ranks it was built for, another size is an error saying what to
-    do."""
+    engine folder (its manifest given) runs on the ranks it was built for, another size is an
+    error saying what to do."""
     if asked is not None and asked < 1:
         raise ValueError("tensor_parallel_size: at least 1")
-    if source.kind != "engine":
+    if manifest is None:
         return asked or 1
-    from lantau.model.manifest import read_manifest
-
-    manifest = read_manifest(source.path)
     built = manifest.tensor_parallel_size
     if asked not in (None, built):
         raise ValueError(
-            f"tensor_parallel_size: {source.name} was built for {built} rank(s); serve it with "
+            f"tensor_parallel_size: {name} was built for {built} rank(s); serve it with "
             f"--tensor-parallel-size {built}, or rebuild it with `lantau build "
             f"{manifest.source} --tensor-parallel-size {asked}`"
         )
     return built
 
 
-def engine_folder_dtype(source: ModelSource, dtype: str) -> str:
+def engine_folder_dtype(name: str, manifest: Manifest, dtype: str) -> str:
     """An engine folder runs in the dtype it was built in: "auto" is that one, another is
     an error saying what to do."""
-    from lantau.model.manifest import read_manifest
-
-    built = read_manifest(source.path).dtype
+    built = manifest.dtype
     if dtype not in ("auto", built):
         raise ValueError(
-            f"dtype: {source.name} was built as {built}; serve it with --dtype auto (or "
+            f"dtype: {name} was built as {built}; serve it with --dtype auto (or "
             f"{built}), or rebuild it with `lantau build --dtype`"
         )
     return built
