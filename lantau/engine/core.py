@@ -21,6 +21,14 @@ import torch
 from lantau.config import EngineConfig
 from lantau.engine.args import resolve_device
 from lantau.engine.pacer import StepKey, StepPacer, step_key
+from lantau.engine.tp_workers import (
+    SplitRunner,
+    Workers,
+    agree_num_blocks,
+    check_devices,
+    share_cpu_threads,
+    stop_split_engine,
+)
 from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
 from lantau.model.loader import ModelSource, build_model, load_in_background
@@ -46,13 +54,6 @@ class EngineCore:
         self.startup_s: dict[str, float] = {}
         tp, self.workers = SINGLE, None
         if config.tensor_parallel_size > 1:  # ranks 1.. build their slices meanwhile
-            from lantau.engine.tp_workers import (
-                Workers,
-                check_devices,
-                share_cpu_threads,
-                stop_split_engine,
-            )
-
             check_devices(config, torch.cuda.device_count())
             share_cpu_threads(config)
             tp = TensorParallel(0, config.tensor_parallel_size)
@@ -92,8 +93,6 @@ class EngineCore:
         clock = time.perf_counter()
         num_blocks = config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
         if self.workers is not None:  # what the tightest rank holds
-            from lantau.engine.tp_workers import agree_num_blocks
-
             num_blocks = agree_num_blocks(num_blocks)
         self.startup_s["kv_profile"] = time.perf_counter() - clock
         pending = load_in_background(model, source) if background else None
@@ -115,8 +114,6 @@ class EngineCore:
         self.last_num_batched_tokens = 0
         self.runner = ModelRunner(self.config, model, num_blocks, self.device)
         if self.workers is not None:  # each call that moves state, repeated on the workers
-            from lantau.engine.tp_workers import SplitRunner
-
             self.runner = SplitRunner(self.runner, self.workers)
         self.async_scheduling = config.async_scheduling
         # the step on the device whose tokens have not been collected yet
