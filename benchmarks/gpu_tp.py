@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 
 import torch
+from _stages import Stages
 
 from lantau import LLM, SamplingParams
 from lantau.bench.offline import run_lantau
@@ -92,7 +92,8 @@ def main() -> None:
     cost = encode_cost()
     print(f"a 384-row decode step to the workers: msgpack {cost['msgpack']:.1f} us to encode, "
           f"pickle {cost['pickle']:.1f} us", flush=True)  # fmt: skip
-    results, reference, table = {"encode_us": cost}, None, []
+    stages, reference = Stages(), None  # its results and table, reported last
+    stages.results["encode_us"] = cost
     for size in sizes:
         child = subprocess.run(
             [sys.executable, __file__, *sys.argv[1:], "--one", str(size)],
@@ -100,7 +101,8 @@ def main() -> None:
         )  # fmt: skip
         lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
         if child.returncode or not lines:
-            print(f"| tp {size} | failed (exit {child.returncode}) | {child.stderr[-800:]}")
+            print(child.stderr[-2000:])
+            stages.table.append((f"tp {size}", "FAILED", f"exit {child.returncode}"))
             continue
         row = json.loads(lines[-1].removeprefix("RESULT "))
         reference = reference or row["tokens"]
@@ -112,14 +114,12 @@ def main() -> None:
                 figure = f"{stats['ms_per_token']:.2f} ms/token"
             else:
                 figure = f"{stats['output_tok_s']:.0f} tok/s x{stats['num_prompts']}"
-            table.append(f"| tp {size} | {spec} | {figure} | GPU util {stats['gpu_util_pct']}% "
-                         f"| greedy {row['greedy_same_as_first']} |")  # fmt: skip
-            print(table[-1], flush=True)
-        results[size] = row
-    with open(os.path.join(os.environ.get("OUT", "."), "gpu_tp.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print("\n| size | workload | figure | GPU | tokens vs the first size |")
-    print("\n".join(table))
+            comparison = (f"GPU util {stats['gpu_util_pct']}%, greedy tokens "
+                          f"{row['greedy_same_as_first']} as the first size's")  # fmt: skip
+            stages.table.append((f"tp {size}, {spec}", figure, comparison))
+            print(stages.table[-1], flush=True)
+        stages.results[size] = row
+    stages.report("gpu_tp.json")
 
 
 if __name__ == "__main__":
