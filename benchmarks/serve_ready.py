@@ -78,6 +78,12 @@ def time_to_ready(tree: Path, model: str | None, serve_args: list[str], timeout_
         proc.wait(30)
 
 
+def tail(error: SystemExit, lines: int = 20) -> str:
+    """The last lines of the server log a launch failure names ("... see PATH")."""
+    path = Path(str(error).rsplit("see ", 1)[-1])
+    return "\n".join(path.read_text().splitlines()[-lines:]) if path.is_file() else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="what `lantau serve` takes (default model)")
@@ -100,20 +106,31 @@ def main() -> None:
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": str(here)}
     seconds: dict[str, list[float]] = {name: [] for name in trees}
     stages: dict[str, dict] = {}
+    failed: dict[str, str] = {}
     for run in range(args.runs):
         for name, path in trees.items():
+            if name in failed:
+                continue
             if args.drop_caches and not drop_page_cache():
                 raise SystemExit("--drop-caches: /proc/sys/vm/drop_caches is not writable")
             if args.cold:
                 evict(args.model, args.cold_packages)
-            took, startup = time_to_ready(Path(path).resolve(), args.model, serve_args,
-                                          args.timeout_s)  # fmt: skip
+            try:
+                took, startup = time_to_ready(Path(path).resolve(), args.model, serve_args,
+                                              args.timeout_s)  # fmt: skip
+            except SystemExit as e:  # a tree that does not start is reported, the others run on
+                failed[name] = str(e)
+                print(f"run {run + 1} {name}: failed: {e}\n{tail(e)}", flush=True)
+                continue
             seconds[name].append(took)
             stages[name] = startup
             parts = ", ".join(f"{k} {v:.1f}" for k, v in startup.items())
             print(f"run {run + 1} {name}: {took:.2f} s ({parts})", flush=True)
     print(f"\n{'tree':<10} {'median s':>9} {'min s':>7}  last run's stages (s)")
     for name, values in seconds.items():
+        if not values:
+            print(f"{name:<10} {'failed':>9}  {failed[name]}")
+            continue
         parts = ", ".join(f"{k} {v:.1f}" for k, v in stages[name].items())
         print(f"{name:<10} {statistics.median(values):>9.2f} {min(values):>7.2f}  {parts}")
 
