@@ -29,8 +29,8 @@ def test_step_delay_file() -> str | None:
 
 def cache_dir() -> str | None:
     """LANTAU_CACHE_DIR: where lantau keeps what it derives from model files (tokenizers
-    rebuilt from GGUF metadata); default $XDG_CACHE_HOME/lantau or ~/.cache/lantau; "" or
-    "off": no cache."""
+    rebuilt from GGUF metadata, engine shards' verified stamps); default
+    $XDG_CACHE_HOME/lantau or ~/.cache/lantau; "" or "off": no cache."""
     value = os.environ.get("LANTAU_CACHE_DIR")
     if value is not None:
         return None if value in ("", "off") else value

@@ -73,6 +73,89 @@ def test_a_corrupt_shard_is_a_checksum_error(tiny_engine, tmp_path):
         LLM(str(folder), device="cpu", max_model_len=64, num_kv_blocks=32)
 
 
+def load_weights(folder):
+    """The folder's model on the CPU: its state dict."""
+    import torch
+
+    from lantau.model.loader import build_model
+
+    manifest = read_manifest(folder)
+    model = build_model(resolve_model_source(str(folder)), manifest.model_config,
+                        torch.bfloat16, torch.device("cpu"), 0)  # fmt: skip
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def hashed(monkeypatch, tmp_path):
+    """The shards the loads hash, a name each time (the test may clear it); stamps under
+    tmp_path/cache, with no minimum age."""
+    from lantau.model import engine_loader
+
+    monkeypatch.setenv("LANTAU_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(engine_loader, "STAMP_MIN_AGE_S", 0.0)
+    names: list[str] = []
+    hashers: list = []  # one a shard hashed (kept, so that no id is reused)
+    read_into = engine_loader._read_into
+
+    def spy_read_into(f, dst, device, local, hasher, path):
+        if hasher is not None and not any(h is hasher for h in hashers):
+            hashers.append(hasher)
+            names.append(path.name)
+        return read_into(f, dst, device, local, hasher, path)
+
+    monkeypatch.setattr(engine_loader, "_read_into", spy_read_into)
+    return names
+
+
+def test_a_verified_shard_is_hashed_once_a_change(tiny_engine, tmp_path, hashed):
+    import os
+    import time
+
+    import torch
+
+    folder = copy_of(tiny_engine, tmp_path)
+    shards = sorted(read_manifest(folder).shards)
+    first = load_weights(folder)
+    assert sorted(hashed) == shards  # every shard hashed, a stamp each
+    assert len(list((tmp_path / "cache" / "verified").glob("*.json"))) == len(shards)
+    hashed.clear()
+    again = load_weights(folder)
+    assert hashed == []  # unchanged since: no hash
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    # one byte flipped in place, the mtime set back: the ctime still moves
+    shard = folder / shards[0]
+    st = shard.stat()
+    time.sleep(0.05)  # past the file system's timestamp tick
+    with open(shard, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard.stat().st_mtime_ns == st.st_mtime_ns and shard.stat().st_size == st.st_size
+    with pytest.raises(ModelLoadError, match="checksum mismatch"):
+        load_weights(folder)
+    assert hashed == [shards[0]]
+
+
+def test_stamps_need_an_old_file_and_a_cache(tiny_engine, tmp_path, hashed, monkeypatch):
+    from lantau.model import engine_loader
+
+    folder = copy_of(tiny_engine, tmp_path)  # files just written
+    monkeypatch.setattr(engine_loader, "STAMP_MIN_AGE_S", 60.0)
+    load_weights(folder)
+    load_weights(folder)
+    assert sorted(hashed) == sorted(read_manifest(folder).shards * 2)  # too fresh to stamp
+    assert not (tmp_path / "cache" / "verified").exists()
+    monkeypatch.setattr(engine_loader, "STAMP_MIN_AGE_S", 0.0)
+    monkeypatch.setenv("LANTAU_CACHE_DIR", "off")
+    hashed.clear()
+    load_weights(folder)
+    load_weights(folder)
+    assert sorted(hashed) == sorted(read_manifest(folder).shards * 2)  # each load hashed them
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_truncated_shard_is_named(tiny_engine, tmp_path):
     folder = copy_of(tiny_engine, tmp_path)
     shard = next(folder.glob("model-*.safetensors"))

@@ -2,6 +2,15 @@
 parallel, each byte read once, straight into the parameters (on CUDA through a pinned staging
 buffer per thread), hashed as it passes, checked against the manifest.
 
+A shard is hashed once per state of its file, as git's index does: after a load has hashed it
+and found the manifest's sha256, a stamp in the cache (LANTAU_CACHE_DIR/verified/) records the
+file's identity and times (device, inode, size, mtime and ctime in ns), and a later load of the
+same unchanged file skips the hash. Any write to a file moves its ctime, which no process can
+set back, so a changed shard is hashed again and a changed byte is still a checksum mismatch. A
+stamp is written only for a file whose ctime was over STAMP_MIN_AGE_S old when the hash began and
+that did not change while it was hashed: a write in the same tick of the file system's clock
+could otherwise leave its times as stamped. LANTAU_CACHE_DIR=off hashes every load.
+
 A shard is a safetensors file: an 8-byte little-endian header length, a JSON header (each
 tensor's dtype, shape and [begin, end) in the data), then the data, tensors back to back.
 """
@@ -13,15 +22,18 @@ import json
 import os
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from lantau import envs
 from lantau.errors import ModelLoadError
 from lantau.model.manifest import Manifest, TensorSpec, check_layout
 
 STAGING_BYTES = 64 << 20  # per thread, pinned, on CUDA
+STAMP_MIN_AGE_S = 2.0  # well over any file system's timestamp tick
 
 
 def engine_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -104,8 +116,12 @@ def _load_shard(
     local: threading.local,
     verify: bool,
 ) -> None:
-    hasher = hashlib.sha256() if verify else None
     with open(path, "rb", buffering=0) as f:
+        began, before = time.time(), _identity(os.fstat(f.fileno()))
+        stamp = _stamp_path(path) if verify else None
+        if stamp is not None and _stamped(stamp, sha256, before):
+            verify = False  # hashed before, unchanged since
+        hasher = hashlib.sha256() if verify else None
         head, header = _read_header(f, path)
         if hasher is not None:
             hasher.update(head)
@@ -129,6 +145,42 @@ def _load_shard(
             f"{sha256[:12]}): the file is corrupt or changed after the build; rebuild this "
             "folder"
         )
+    if hasher is not None and stamp is not None:
+        after = _identity(path.stat())
+        if after == before and began - before["ctime_ns"] / 1e9 > STAMP_MIN_AGE_S:
+            _write_stamp(stamp, {"sha256": sha256, **before})
+
+
+def _identity(st: os.stat_result) -> dict[str, int]:
+    return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns}  # fmt: skip
+
+
+def _stamp_path(path: Path) -> Path | None:
+    root = envs.cache_dir()
+    if root is None:
+        return None
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    return Path(root) / "verified" / f"{key}.json"
+
+
+def _stamped(stamp: Path, sha256: str, identity: dict[str, int]) -> bool:
+    try:
+        return json.loads(stamp.read_text()) == {"sha256": sha256, **identity}
+    except (OSError, ValueError):
+        return False
+
+
+def _write_stamp(stamp: Path, record: dict) -> None:
+    """Best effort: a cache that cannot be written (read-only home) only costs the next load
+    its hash."""
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, stamp)
+    except OSError:
+        pass
 
 
 def _read_into(f, dst: torch.Tensor, device, local, hasher, path: Path) -> None:
