@@ -68,7 +68,10 @@ def time_to_ready(tree: Path, model: str | None, serve_args: list[str], timeout_
     path = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "PYTHONPATH": path, "PYTHONSAFEPATH": "1"}
     log = Path(tempfile.gettempdir()) / f"serve_ready-{os.getpid()}.log"
-    proc, seconds = launch_until_ready(cmd, port, log, env, timeout_s)
+    try:
+        proc, seconds = launch_until_ready(cmd, port, log, env, timeout_s)
+    except SystemExit as e:  # with the log's last lines
+        raise SystemExit("\n".join([str(e), *log.read_text().splitlines()[-20:]])) from None
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
             status = json.load(r)
@@ -76,12 +79,6 @@ def time_to_ready(tree: Path, model: str | None, serve_args: list[str], timeout_
     finally:
         proc.terminate()
         proc.wait(30)
-
-
-def tail(error: SystemExit, lines: int = 20) -> str:
-    """The last lines of the server log a launch failure names ("... see PATH")."""
-    path = Path(str(error).rsplit("see ", 1)[-1])
-    return "\n".join(path.read_text().splitlines()[-lines:]) if path.is_file() else ""
 
 
 def main() -> None:
@@ -119,8 +116,8 @@ def main() -> None:
                 took, startup = time_to_ready(Path(path).resolve(), args.model, serve_args,
                                               args.timeout_s)  # fmt: skip
             except SystemExit as e:  # a tree that does not start is reported, the others run on
-                failed[name] = str(e)
-                print(f"run {run + 1} {name}: failed: {e}\n{tail(e)}", flush=True)
+                failed[name] = str(e).splitlines()[0]
+                print(f"run {run + 1} {name}: failed: {e}", flush=True)
                 continue
             seconds[name].append(took)
             stages[name] = startup

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 
 def pdl_enabled() -> bool:
@@ -36,3 +38,12 @@ def cache_dir() -> str | None:
         return None if value in ("", "off") else value
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "lantau")
+
+
+def cache_entry(kind: str, key: str) -> Path | None:
+    """cache_dir()/KIND/<sha256 of key, 32 hex digits>: where an entry derived from what `key`
+    names lives; None when caching is off."""
+    root = cache_dir()
+    if root is None:
+        return None
+    return Path(root) / kind / hashlib.sha256(key.encode()).hexdigest()[:32]

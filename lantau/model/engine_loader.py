@@ -157,11 +157,8 @@ def _identity(st: os.stat_result) -> dict[str, int]:
 
 
 def _stamp_path(path: Path) -> Path | None:
-    root = envs.cache_dir()
-    if root is None:
-        return None
-    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
-    return Path(root) / "verified" / f"{key}.json"
+    entry = envs.cache_entry("verified", str(path.resolve()))
+    return entry and entry.with_suffix(".json")
 
 
 def _stamped(stamp: Path, sha256: str, identity: dict[str, int]) -> bool:

@@ -406,16 +406,11 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
 def _tokenizer_cache(path: Path) -> Path | None:
     """The cache folder of this file's tokenizer: keyed by the file (path, size, mtime) and
     transformers' version; None when caching is off."""
-    import hashlib
-
     import transformers
 
-    root = envs.cache_dir()
-    if root is None:
-        return None
     stat = path.stat()
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    return Path(root) / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    return envs.cache_entry("tokenizers", key)
 
 
 def _save_tokenizer(tokenizer, folder: Path) -> None:
