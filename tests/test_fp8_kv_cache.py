@@ -243,7 +243,7 @@ _SM90_KERNELS = {
              k_inv_scale="fp32", v_inv_scale="fp32"),
         dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=64, USE_SCRATCH=True,
              GROUP_P=4, MERGE_CHUNK=0, MERGE_SPLITS=8, DOT_PRECISION="tf32", USE_PDL=True,
-             ROPE=True),
+             V_PAIRS=True, USE_ASM=True, ROPE=True),
     ),
 }  # fmt: skip
 # a large decode batch's launch: no rope, one split
@@ -253,18 +253,30 @@ _SM90_KERNELS["decode_attention._paged_decode_split_kernel#large"] = (
      "USE_SCRATCH": False, "MERGE_SPLITS": 1},
 )  # fmt: skip
 _COMPILE_SM90 = """
-import importlib, sys, triton
+import importlib, os, subprocess, sys, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+NVDISASM = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
 for name, (types, constexprs) in KERNELS.items():
     module, fn_name = name.split("#")[0].split(".")
     fn = getattr(importlib.import_module("lantau.kernels." + module), fn_name)
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     values = {(i,): constexprs[n] for i, n in enumerate(fn.arg_names) if n in constexprs}
-    kernel = triton.compile(ASTSource(fn, signature, values), target=GPUTarget("cuda", 90, 32))
+    # as the launcher's specialisation marks them for real shapes: pointers and strides
+    # divisible by 16 (what lets loads vectorise and stage through shared memory)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if signature[n].startswith("*") or n.startswith("stride")}
+    kernel = triton.compile(
+        ASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32)
+    )
     ptx = kernel.asm["ptx"]
     print(name, "cubin" in kernel.asm, "cvt.rn.satfinite.e4m3x2" in ptx,
           "cvt.rn.f16x2.e4m3x2" in ptx, "cvt.bf16.f16" in ptx)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True).stdout
+    print(name, "byte loads from shared memory:", sass.count("LDS.U8"))
 """
 
 
@@ -274,7 +286,9 @@ def test_fp8_kernels_compile_for_hopper():
     needed: what catches a construct the interpreter runs but the compiler rejects. Writers
     store with cvt.rn.satfinite (round to nearest even, saturated); readers convert e4m3 pairs
     to fp16 in one instruction and, with a bf16 query, never on to bf16 (cvt.bf16.f16, which
-    held the fp8 decode at half the copy rate), but for rope's first tile."""
+    held the fp8 decode at half the copy rate), but for rope's first tile. And the decode
+    loop reads no byte at a time from shared memory (attend_tile_pairs): the SASS, from
+    Triton's own nvdisasm."""
     import subprocess
     import sys
 
@@ -282,12 +296,18 @@ def test_fp8_kernels_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:4] == [
+    assert done.stdout.split("\n")[:8] == [
         "rotary._rotary_write_kv_kernel True True False False",
+        "rotary._rotary_write_kv_kernel byte loads from shared memory: 0",
         "unified_attention._unified_attention_kernel True False True False",  # reads only
-        # rope: writes too, and its first tile goes e4m3 -> bf16 -> fp16
+        "unified_attention._unified_attention_kernel byte loads from shared memory: 0",
+        # rope: writes too, and its first tile goes e4m3 -> bf16 -> fp16, its values read
+        # from shared memory a byte at a time (once a split)
         "decode_attention._paged_decode_split_kernel True True True True",
+        "decode_attention._paged_decode_split_kernel byte loads from shared memory: 32",
+        # the loop's value tiles are read as 16-bit pairs (160 and 128 byte loads before)
         "decode_attention._paged_decode_split_kernel#large True False True False",
+        "decode_attention._paged_decode_split_kernel#large byte loads from shared memory: 0",
     ]
 
 

@@ -35,6 +35,32 @@ MIN_BLOCK_M = 16  # smallest M of a tensor-core tile
 
 
 @triton.jit
+def tile_weights(
+    l_i, m_i, q, q_pos, k_base, table, start_n, key_end, scale_log2, stride_kv_block,
+    stride_kv_slot, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The score half of an online-softmax step over keys start_n .. start_n + BLOCK_N of a
+    paged context: the tile's weights p [R, BLOCK_N], alpha, the new l_i and m_i, and the
+    keys' cache offsets and validity (for the values)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_pos, k_valid, slot = tile_slots(
+        table, start_n, key_end, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N
+    )
+    # [HEAD_DIM, BLOCK_N]; slots past key_end may hold garbage, even NaN: never loaded. An fp8
+    # cache's tile is converted to q's dtype (exactly); any other's .to is a no-op
+    k = tl.load(k_base + slot[None, :] + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+    k = k.to(q.dtype)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [R, BLOCK_N]
+    if MASK_SCORES:
+        # -inf, never a multiply by 0: 0 * NaN = NaN. NOTE: callers guarantee every row sees
+        # a key in its first tile, so m_new is finite and m_i - m_new is never -inf - -inf
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    p, alpha, l_i, m_new = softmax_step(s, l_i, m_i)
+    return p, alpha, l_i, m_new, slot, k_valid
+
+
+@triton.jit
 def attend_tile(
     acc,  # [R, HEAD_DIM] fp32: unnormalised output so far
     l_i,  # [R] fp32: sum of exp2(score - m_i) so far
@@ -56,24 +82,83 @@ def attend_tile(
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over keys start_n .. start_n + BLOCK_N of a paged context."""
+    p, alpha, l_i, m_new, slot, k_valid = tile_weights(
+        l_i, m_i, q, q_pos, k_base, table, start_n, key_end, scale_log2, stride_kv_block,
+        stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_SCORES, DOT_PRECISION,
+    )  # fmt: skip
     offs_d = tl.arange(0, HEAD_DIM)
-    k_pos, k_valid, slot = tile_slots(
-        table, start_n, key_end, stride_kv_block, stride_kv_slot, BLOCK_SIZE, BLOCK_N
-    )
-    # [HEAD_DIM, BLOCK_N]; slots past key_end may hold garbage, even NaN: never loaded. An fp8
-    # cache's tile is converted to q's dtype (exactly); any other's .to is a no-op
-    k = tl.load(k_base + slot[None, :] + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-    k = k.to(q.dtype)
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [R, BLOCK_N]
-    if MASK_SCORES:
-        # -inf, never a multiply by 0: 0 * NaN = NaN. NOTE: callers guarantee every row sees
-        # a key in its first tile, so m_new is finite and m_i - m_new is never -inf - -inf
-        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-    p, alpha, l_i, m_new = softmax_step(s, l_i, m_i)
     v = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0)
     v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def attend_tile_pairs(
+    acc_even, acc_odd, l_i, m_i, q, q_pos, k_base, v_base, table, start_n, key_end,
+    scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_SCORES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
+):  # fmt: skip
+    """attend_tile over an fp8 cache, its output in two halves: acc_even [R, HEAD_DIM / 2] the
+    even dims, acc_odd the odd ones (join_pairs puts them back together).
+
+    The values are read as 16-bit pairs of adjacent dims and converted to two fp16 tiles. A
+    tile of e4m3 values has no transposing shared-memory load (ldmatrix's is 16-bit), and the
+    P @ V dot needs its values paired along the keys: read as fp8, the compiler loads them one
+    byte an instruction (LDS.U8); as 16-bit pairs they take the transposing ldmatrix, and the
+    conversion regroups the bytes (pairs_to_f16)."""
+    p, alpha, l_i, m_new, slot, k_valid = tile_weights(
+        l_i, m_i, q, q_pos, k_base, table, start_n, key_end, scale_log2, stride_kv_block,
+        stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_SCORES, DOT_PRECISION,
+    )  # fmt: skip
+    offs_pair = tl.arange(0, HEAD_DIM // 2)
+    pairs = tl.load(
+        v_base.to(tl.pointer_type(tl.uint16)) + (slot // 2)[:, None] + offs_pair[None, :],
+        mask=k_valid[:, None], other=0,
+    )  # fmt: skip
+    v_even, v_odd = pairs_to_f16(pairs, USE_ASM)  # [BLOCK_N, HEAD_DIM / 2] each
+    # as attend_tile: the dots in q's dtype (fp16 for a bf16 q: dot_operand), exact
+    v_even, v_odd = v_even.to(q.dtype), v_odd.to(q.dtype)
+    p = p.to(q.dtype)
+    acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=DOT_PRECISION)
+    acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PRECISION)
+    return acc_even, acc_odd, l_i, m_new
+
+
+@triton.jit
+def pairs_to_f16(x, USE_ASM: tl.constexpr):
+    """uint16 x holding two e4m3 values (low byte: an even dim, high byte: the odd dim after
+    it) -> (even, odd) as fp16, exactly. USE_ASM (CUDA): cvt.rn.f16x2.e4m3x2 on two x at a time
+    after a byte permute that pairs their even and their odd bytes, so each conversion yields
+    the two elements a dot register holds; otherwise (the interpreter) the same values from
+    bit operations: e4m3 s.eeee.mmm is fp16 s.0eeee.mmm0000000 times 2^8 (exponent biases 7
+    and 15), subnormals included."""
+    if USE_ASM:
+        even, odd = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
+        )  # fmt: skip
+    else:
+        x = x.to(tl.int32)
+        even = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.uint16)
+        odd = ((x & 0x8000) | ((x >> 1) & 0x3F80)).to(tl.uint16)
+        even = even.to(tl.float16, bitcast=True) * 256.0
+        odd = odd.to(tl.float16, bitcast=True) * 256.0
+    return even, odd
+
+
+@triton.jit
+def join_pairs(acc_even, acc_odd):
+    """[R, HEAD_DIM / 2] even and odd dims -> [R, HEAD_DIM]."""
+    return tl.reshape(tl.join(acc_even, acc_odd), [acc_even.shape[0], 2 * acc_even.shape[1]])
+
+
+@triton.jit
+def split_pairs(acc):
+    """join_pairs' inverse: [R, HEAD_DIM] -> even dims, odd dims."""
+    return tl.split(tl.reshape(acc, [acc.shape[0], acc.shape[1] // 2, 2]))
 
 
 @triton.jit

@@ -25,17 +25,21 @@ import triton.language as tl
 from lantau.config import AttnMerge
 from lantau.kernels import pdl
 from lantau.kernels.attention_tiles import (
+    FP8_KV_DTYPE,
     LOG2E,
     MIN_BLOCK_M,
     attend_tile,
+    attend_tile_pairs,
     check_kv_scales,
     check_paged_inputs,
     dot_operand,
     dot_precision,
+    join_pairs,
     kv_strides,
     load_kv,
     quantize_kv,
     softmax_step,
+    split_pairs,
     tile_slots,
 )
 from lantau.kernels.pdl import pdl_wait
@@ -201,6 +205,8 @@ def _paged_decode_split_kernel(
     MERGE_SPLITS: tl.constexpr,  # num_splits, for the unrolled merge (else 1)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not TF32
     USE_PDL: tl.constexpr,
+    V_PAIRS: tl.constexpr,  # an fp8 cache: values read as dim pairs (attend_tile_pairs)
+    USE_ASM: tl.constexpr,  # CUDA (not the interpreter): the pairs' conversion in PTX
     # a small batch: the split's first tile of keys and values read before pdl_wait, all but
     # the step's own key (seq_len - 1), which comes from the qkv projection (k_ptr, v_ptr:
     # [num_reqs, num_kv_heads, HEAD_DIM] views) with q, unrotated; the kernel rotates q and the
@@ -247,7 +253,11 @@ def _paged_decode_split_kernel(
     table = block_tables_ptr + req * stride_bt_req
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    if V_PAIRS:  # acc: the even dims, acc_odd: the odd ones
+        acc = tl.zeros([BLOCK_H, HEAD_DIM // 2], tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, HEAD_DIM // 2], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     first = key_start  # the first key the loops below attend to
     q_offs = req.to(tl.int64) * stride_q_req + head[:, None] * stride_q_head + offs_d[None, :]
     if ROPE:
@@ -277,7 +287,11 @@ def _paged_decode_split_kernel(
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
             s = tl.where(k_valid[None, :], s, float("-inf"))
             p, alpha, l_i, m_i = softmax_step(s, l_i, m_i)
-            acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            if V_PAIRS:
+                acc, acc_odd = split_pairs(pv)
+            else:
+                acc = pv
             first = key_start + BLOCK_N
     else:
         q = tl.load(q_ptr + q_offs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
@@ -287,15 +301,33 @@ def _paged_decode_split_kernel(
     full_end = key_start + (key_end - key_start) // BLOCK_N * BLOCK_N
     last_pos = tl.full([BLOCK_H], key_end - 1, tl.int32)  # decode rows see the whole context
     for start_n in range(first, full_end, BLOCK_N):
-        acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, full_end, scale_log2,
-            stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
-        )  # fmt: skip
+        if V_PAIRS:
+            acc, acc_odd, l_i, m_i = attend_tile_pairs(
+                acc, acc_odd, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, full_end,
+                scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                False, DOT_PRECISION, USE_ASM,
+            )  # fmt: skip
+        else:
+            acc, l_i, m_i = attend_tile(
+                acc, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, full_end,
+                scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                False, DOT_PRECISION,
+            )  # fmt: skip
     for start_n in range(tl.maximum(full_end, first), key_end, BLOCK_N):
-        acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, key_end, scale_log2,
-            stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
-        )  # fmt: skip
+        if V_PAIRS:
+            acc, acc_odd, l_i, m_i = attend_tile_pairs(
+                acc, acc_odd, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, key_end,
+                scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                True, DOT_PRECISION, USE_ASM,
+            )  # fmt: skip
+        else:
+            acc, l_i, m_i = attend_tile(
+                acc, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, key_end,
+                scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                True, DOT_PRECISION,
+            )  # fmt: skip
+    if V_PAIRS:
+        acc = join_pairs(acc, acc_odd)
 
     # seq_len 0 (padding): zeros; an fp8 cache's v_scale applies to the partials alike
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
@@ -549,6 +581,8 @@ def paged_decode_attention(
         MERGE_SPLITS=num_splits if unrolled else 1,
         DOT_PRECISION=dot_precision(q.dtype),
         **pdl.launch_options(q.device, use_pdl),
+        V_PAIRS=kv_cache.dtype == FP8_KV_DTYPE,
+        USE_ASM=q.device.type == "cuda",
         **rope_args,
         num_warps=num_warps,
         num_stages=num_stages,

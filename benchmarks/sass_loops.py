@@ -1,0 +1,135 @@
+"""The attention kernels' inner loops in Hopper SASS, without a GPU: each kernel is compiled for
+sm90 with Triton's own ptxas (as the launcher would specialise it: pointers and strides
+divisible by 16), disassembled with its nvdisasm, and every loop (a backward branch) counted by
+opcode. Instructions a thread per KV tile is what an issue-bound kernel's time follows (an fp8
+decode tile of 128 keys is the bytes of a bf16 tile of 64).
+
+    python benchmarks/sass_loops.py [--kernels decode-fp8,decode-bf16,unified-fp8,unified-bf16]
+        [--decode-tiles 128,4,2;128,2,2] [--top 12]
+
+Prints one line a loop: instructions, byte loads from shared memory (LDS.U8), and the most
+frequent opcodes. The first loop of the decode kernel is the unmasked one (whole tiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real: this script needs no GPU
+
+import triton  # noqa: E402
+import triton.backends.nvidia  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+NVDISASM = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
+# llama3-8b's attention: 32 query heads over 8 kv heads, head_dim 128, 16-token cache blocks
+DECODE = dict(
+    GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, USE_SCRATCH=True, GROUP_P=4,
+    MERGE_CHUNK=8, MERGE_SPLITS=1, DOT_PRECISION="tf32", USE_PDL=True, ROPE=False,
+    USE_ASM=True,
+)  # fmt: skip
+UNIFIED = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, DOT_PRECISION="tf32")
+POINTERS = {
+    "q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+    "counters_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
+    "query_start_loc_ptr": "*i32", "scale_log2": "fp32", "v_scale": "fp32",
+    "k_inv_scale": "fp32", "v_inv_scale": "fp32",
+}  # fmt: skip
+
+
+def compile_sass(fn, kv_type: str, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    types = {**POINTERS, "kv_ptr": f"*{kv_type}"}
+    names = fn.arg_names
+    constexprs = {n: v for n, v in constexprs.items() if n in names}
+    for n in names:  # the rope-only pointers are unused here: constexpr None
+        if n.endswith("_ptr") and n not in types:
+            constexprs[n] = None
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    values = {(i,): constexprs[n] for i, n in enumerate(names) if n in constexprs}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if signature[n].startswith("*") or n.startswith("stride")
+    }
+    kernel = triton.compile(
+        ASTSource(fn, signature, values, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        done = subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True)
+    done.check_returncode()
+    return done.stdout
+
+
+def loops(sass: str) -> list[collections.Counter]:
+    """Opcode counts of each loop body (label to its backward branch), in code order."""
+    lines = sass.splitlines()
+    labels = {}
+    found = []
+    for i, line in enumerate(lines):
+        label = re.match(r"^\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = i
+        branch = re.search(r"BRA `\(\.(L_x_\d+)\)", line)
+        if branch and labels.get(branch.group(1), i) < i:
+            ops = collections.Counter()
+            for body in lines[labels[branch.group(1)] : i + 1]:
+                op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", body)
+                if op:
+                    ops[op.group(1)] += 1
+            if sum(ops.values()) > 40:  # not a spin or search loop
+                found.append(ops)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", default="decode-fp8,decode-bf16,unified-fp8,unified-bf16")
+    parser.add_argument(
+        "--decode-tiles",
+        default="",
+        help="BLOCK_N,num_warps,num_stages ';'-separated (default: the launcher's per dtype)",
+    )
+    parser.add_argument("--top", type=int, default=12, help="opcodes shown a loop")
+    args = parser.parse_args()
+    from lantau.kernels import decode_attention as da
+    from lantau.kernels import unified_attention as ua
+
+    for name in args.kernels.split(","):
+        kind, dtype = name.split("-")
+        kv_type = "fp8e4nv" if dtype == "fp8" else "bf16"
+        if kind == "decode":
+            default = (da._DECODE_BLOCK_N * (2 if dtype == "fp8" else 1), 4, da._DECODE_STAGES)
+            tiles = [tuple(map(int, t.split(","))) for t in args.decode_tiles.split(";") if t]
+            for block_n, warps, stages in tiles or [default]:
+                consts = {**DECODE, "BLOCK_N": block_n, "V_PAIRS": dtype == "fp8"}
+                sass = compile_sass(da._paged_decode_split_kernel, kv_type, consts, warps, stages)
+                report(f"decode {dtype} ({block_n}, {warps}, {stages})", sass, args.top)
+        else:
+            consts = {**UNIFIED, "BLOCK_M": ua._PREFILL_BLOCK_M, "BLOCK_N": ua._BLOCK_N}
+            consts["BLOCK_Q"] = consts["BLOCK_M"] // consts["GROUP"]
+            sass = compile_sass(ua._unified_attention_kernel, kv_type, consts, 4, 2)
+            report(f"unified {dtype} ({ua._PREFILL_BLOCK_M} rows, {ua._BLOCK_N} keys)", sass, 8)
+
+
+def report(label: str, sass: str, top: int) -> None:
+    for i, ops in enumerate(loops(sass)):
+        common = ", ".join(f"{op} {n}" for op, n in ops.most_common(top))
+        print(
+            f"{label} loop {i}: {sum(ops.values())} instructions, "
+            f"{ops['LDS.U8']} byte loads from shared memory; {common}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
