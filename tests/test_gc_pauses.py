@@ -1,6 +1,7 @@
 """The served processes' garbage collector (lantau/metrics/gc_pauses.py): start-up's objects
 frozen out of every collection's walk, each collection timed by generation, and the cycles of
-a released (unloaded) version's frozen objects still collected. In-process, on the real gc."""
+a released (unloaded) version's frozen objects still collected; an in-process (offline)
+engine's heap frozen only while it has requests. In-process, on the real gc."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import weakref
 
 import pytest
 
-from lantau.metrics.gc_pauses import GcPauses, ProcessGc, freeze_startup_heap
+from lantau.metrics.gc_pauses import FrozenWhileBusy, GcPauses, ProcessGc, freeze_startup_heap
 
 
 @pytest.fixture
@@ -69,3 +70,60 @@ def test_process_gc_observes_its_pauses_and_frees_released_cycles(thawed):
     stopped = process.histograms[0].count
     gc.collect(0)
     assert process.histograms[0].count == stopped
+
+
+def test_frozen_while_busy_thaws_when_idle_and_leaves_a_freeze_not_its_own(thawed):
+    node = Node()
+    ref = weakref.ref(node)
+    held = FrozenWhileBusy()
+    held.busy()
+    assert gc.get_freeze_count() > 0
+    del node  # garbage while frozen: no collection frees its cycle
+    gc.collect()
+    assert ref() is not None
+    held.idle()
+    assert gc.get_freeze_count() == 0
+    gc.collect()  # thawed: the cycle is collected after all
+    assert ref() is None
+    # a heap frozen by someone else (a served process's start-up) stays frozen
+    frozen = freeze_startup_heap()
+    held.busy()
+    held.idle()
+    assert gc.get_freeze_count() == frozen
+
+
+def test_offline_engine_freezes_its_heap_only_while_it_has_requests(thawed):
+    """LLM.generate's steps run with the heap as it stood at the first step frozen (start-up's
+    objects and every queued request: out of the full collections' walks), and leave nothing
+    frozen when done, failed or not."""
+    from lantau import LLM, SamplingParams
+
+    llm = LLM("random:tiny", max_num_seqs=4, max_model_len=256)
+    core_step = llm.engine.core.step
+    seen = []
+
+    def step():
+        seen.append((gc.get_freeze_count(), marker_walked()))
+        return core_step()
+
+    llm.engine.core.step = step
+    marker = ["made before the run"]
+    marker_id = id(marker)
+
+    def marker_walked() -> bool:
+        return any(id(o) == marker_id for o in gc.get_objects())
+
+    assert marker_walked() and gc.get_freeze_count() == 0
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 6, params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3] * 6
+    assert len(seen) >= 3 and all(count > 0 and not walked for count, walked in seen)
+    assert gc.get_freeze_count() == 0 and marker_walked()
+
+    def failing_step():
+        raise RuntimeError("the device went away")
+
+    llm.engine.core.step = failing_step
+    with pytest.raises(RuntimeError):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, params)
+    assert gc.get_freeze_count() == 0 and not llm.engine.has_unfinished_requests

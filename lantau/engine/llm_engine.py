@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from lantau.engine.detokenizer import IncrementalDetokenizer
 from lantau.errors import InvalidRequestError
+from lantau.metrics.gc_pauses import FrozenWhileBusy
 from lantau.outputs import CompletionOutput, RequestOutput
 from lantau.request import UINT64_MAX, FinishReason, Request, SamplingParams
 from lantau.scheduler.output import EngineCoreOutput
@@ -179,6 +180,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         eos = core.config.model_config.eos_token_ids
         self.processor = OutputProcessor(tokenizer, eos, fold_ids_at)
+        self.gc = FrozenWhileBusy()
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         return self.processor.tokenize(prompt)
@@ -194,6 +196,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.processor.abort_request(request_id))
+        if not self.has_unfinished_requests:
+            self.gc.idle()
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -204,8 +208,13 @@ class LLMEngine:
         return self.processor.states
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; the RequestOutputs it advanced (finished ones last seen here)."""
+        """One engine step; the RequestOutputs it advanced (finished ones last seen here).
+        From the first step with requests to the last one done, the heap is frozen (self.gc)."""
+        if self.has_unfinished_requests:
+            self.gc.busy()
         outputs, stopped = self.processor.process(self.core.step())
         if stopped:
             self.core.abort_requests(stopped, FinishReason.STOP)
+        if not self.has_unfinished_requests:
+            self.gc.idle()
         return outputs
