@@ -23,6 +23,8 @@ import types  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from lantau import LLM, SamplingParams  # noqa: E402
 from lantau.config import AttnMerge  # noqa: E402
@@ -30,6 +32,7 @@ from lantau.engine.args import build_engine_config  # noqa: E402
 from lantau.kernels import decode_attention as da  # noqa: E402
 from lantau.kernels import reference  # noqa: E402
 from lantau.kernels import unified_attention as ua  # noqa: E402
+from lantau.kernels.attention_tiles import pairs_to_f16  # noqa: E402
 from lantau.kernels.reference import FP8_KV_DTYPE, quantize_kv_ref  # noqa: E402
 from tests.test_kernel_paged_attention import (  # noqa: E402
     MIXED_BATCH,
@@ -128,6 +131,32 @@ def test_decode_attention_fp8_cache(monkeypatch, dtype, k_scale, v_scale):
         (4, AttnMerge.UNROLLED),
     ]:
         check_both_refs(run_decode(b, num_splits, merge), b, dtype)
+
+
+@triton.jit
+def _convert_pairs(x_ptr, even_ptr, odd_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    even, odd = pairs_to_f16(tl.load(x_ptr + offs), False)
+    tl.store(even_ptr + offs, even)
+    tl.store(odd_ptr + offs, odd)
+
+
+def test_value_pairs_convert_every_e4m3_pair_exactly():
+    """attention_tiles.pairs_to_f16 (the interpreter's bit operations; CUDA's PTX does the same
+    with cvt.rn.f16x2.e4m3x2): all 65,536 16-bit pairs, low byte the even dim, high byte the
+    odd one, against torch's e4m3 -> fp16 of each byte (NaN bytes aside: the writers saturate,
+    so the cache holds none)."""
+    pairs = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16)
+    even = torch.empty(1 << 16, dtype=torch.float16)
+    odd = torch.empty_like(even)
+    _convert_pairs[(64,)](pairs, even, odd, BLOCK=1024)
+    as_bytes = pairs.view(torch.uint8).view(-1, 2)  # little-endian: [low, high]
+    ref = as_bytes.view(torch.float8_e4m3fn).to(torch.float16)
+    finite = ref.isfinite().all(1)
+    assert finite.sum() == 254 * 254  # the two NaN bytes (0x7f, 0xff) out
+    assert torch.equal(even[finite], ref[finite, 0]) and torch.equal(odd[finite], ref[finite, 1])
+    # the signs of zero too
+    assert torch.equal(even[finite].view(torch.int16), ref[finite, 0].view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
