@@ -132,6 +132,30 @@ def _add_new_kv(
 
 
 @triton.jit
+def _attend(
+    acc, acc_odd, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, key_end, scale_log2,
+    stride_kv_block, stride_kv_slot, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    V_PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
+):  # fmt: skip
+    """One tile of the split: attend_tile, or over an fp8 cache attend_tile_pairs (acc then
+    holds the even dims, acc_odd the odd ones; otherwise acc_odd is a placeholder)."""
+    if V_PAIRS:
+        acc, acc_odd, l_i, m_i = attend_tile_pairs(
+            acc, acc_odd, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, key_end,
+            scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+            MASK_SCORES, DOT_PRECISION, USE_ASM,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = attend_tile(
+            acc, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, key_end, scale_log2,
+            stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_SCORES,
+            DOT_PRECISION,
+        )  # fmt: skip
+    return acc, acc_odd, l_i, m_i
+
+
+@triton.jit
 def _store_split_and_merge(
     out, m_i, l_i, req, kv_head, head, head_mask, offs_d, split, seq_len, split_len,
     part_out_ptr, part_lse_ptr, counters_ptr, out_ptr, num_heads, num_kv_heads, num_splits,
@@ -258,6 +282,7 @@ def _paged_decode_split_kernel(
         acc_odd = tl.zeros([BLOCK_H, HEAD_DIM // 2], tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        acc_odd = tl.zeros([1, 1], tl.float32)  # unused
     first = key_start  # the first key the loops below attend to
     q_offs = req.to(tl.int64) * stride_q_req + head[:, None] * stride_q_head + offs_d[None, :]
     if ROPE:
@@ -301,31 +326,17 @@ def _paged_decode_split_kernel(
     full_end = key_start + (key_end - key_start) // BLOCK_N * BLOCK_N
     last_pos = tl.full([BLOCK_H], key_end - 1, tl.int32)  # decode rows see the whole context
     for start_n in range(first, full_end, BLOCK_N):
-        if V_PAIRS:
-            acc, acc_odd, l_i, m_i = attend_tile_pairs(
-                acc, acc_odd, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, full_end,
-                scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                False, DOT_PRECISION, USE_ASM,
-            )  # fmt: skip
-        else:
-            acc, l_i, m_i = attend_tile(
-                acc, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, full_end,
-                scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                False, DOT_PRECISION,
-            )  # fmt: skip
+        acc, acc_odd, l_i, m_i = _attend(
+            acc, acc_odd, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, full_end,
+            scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
+            DOT_PRECISION, V_PAIRS, USE_ASM,
+        )  # fmt: skip
     for start_n in range(tl.maximum(full_end, first), key_end, BLOCK_N):
-        if V_PAIRS:
-            acc, acc_odd, l_i, m_i = attend_tile_pairs(
-                acc, acc_odd, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, key_end,
-                scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                True, DOT_PRECISION, USE_ASM,
-            )  # fmt: skip
-        else:
-            acc, l_i, m_i = attend_tile(
-                acc, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, key_end,
-                scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                True, DOT_PRECISION,
-            )  # fmt: skip
+        acc, acc_odd, l_i, m_i = _attend(
+            acc, acc_odd, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, key_end,
+            scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+            DOT_PRECISION, V_PAIRS, USE_ASM,
+        )  # fmt: skip
     if V_PAIRS:
         acc = join_pairs(acc, acc_odd)
 
