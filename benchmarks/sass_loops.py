@@ -39,7 +39,8 @@ POINTERS = {
     "q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
     "counters_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
     "query_start_loc_ptr": "*i32", "scale_log2": "fp32", "v_scale": "fp32",
-    "k_inv_scale": "fp32", "v_inv_scale": "fp32",
+    "k_inv_scale": "fp32", "v_inv_scale": "fp32", "k_ptr": "*bf16", "v_ptr": "*bf16",
+    "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64",
 }  # fmt: skip
 
 
@@ -47,9 +48,6 @@ def compile_sass(fn, kv_type: str, constexprs: dict, num_warps: int, num_stages:
     types = {**POINTERS, "kv_ptr": f"*{kv_type}"}
     names = fn.arg_names
     constexprs = {n: v for n, v in constexprs.items() if n in names}
-    for n in names:  # the rope-only pointers are unused here: constexpr None
-        if n.endswith("_ptr") and n not in types:
-            constexprs[n] = None
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     values = {(i,): constexprs[n] for i, n in enumerate(names) if n in constexprs}
     attrs = {
