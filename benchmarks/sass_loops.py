@@ -1,14 +1,16 @@
-"""The attention kernels' inner loops in Hopper SASS, without a GPU: each kernel is compiled for
-sm90 with Triton's own ptxas (as the launcher would specialise it: pointers and strides
-divisible by 16), disassembled with its nvdisasm, and every loop (a backward branch) counted by
-opcode. Instructions a thread per KV tile is what an issue-bound kernel's time follows (an fp8
-decode tile of 128 keys is the bytes of a bf16 tile of 64).
+"""The attention and batch-1 GEMV kernels in Hopper SASS, without a GPU: each kernel is compiled
+for sm90 with Triton's own ptxas (as the launcher would specialise it: pointers, strides and
+the GEMV's N and K divisible by 16), disassembled with its nvdisasm, and every loop (a backward
+branch) counted by opcode. Instructions a thread per KV tile is what an issue-bound kernel's
+time follows (an fp8 decode tile of 128 keys is the bytes of a bf16 tile of 64).
 
-    python benchmarks/sass_loops.py [--kernels decode-fp8,decode-bf16,unified-fp8,unified-bf16]
-        [--decode-tiles 128,4,2;128,2,2] [--top 12]
+    python benchmarks/sass_loops.py [--kernels decode-fp8,decode-bf16,unified-fp8,unified-bf16,
+        gemv-fp8,gemv-bf16] [--decode-tiles 128,4,2;128,2,2] [--top 12]
 
 Prints one line a loop: instructions, byte loads from shared memory (LDS.U8), and the most
-frequent opcodes. The first loop of the decode kernel is the unmasked one (whole tiles).
+frequent opcodes. The first loop of the decode kernel is the unmasked one (whole tiles). The
+GEMV at llama3-8b's qkv (6,144 x 4,096, the preload: no loop, the whole kernel counted) and
+down_proj (4,096 x 14,336, the K loop), with instructions a thread per byte of weights.
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ POINTERS = {
 }  # fmt: skip
 
 
-def compile_sass(fn, kv_type: str, constexprs: dict, num_warps: int, num_stages: int) -> str:
-    types = {**POINTERS, "kv_ptr": f"*{kv_type}"}
+def compile_sass(
+    fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, ints=()
+) -> str:
+    """SASS of fn for sm90: `types` of its pointer and float arguments (any other is i32),
+    `ints` the int arguments divisible by 16."""
+    types = {**POINTERS, **types}
     names = fn.arg_names
     constexprs = {n: v for n, v in constexprs.items() if n in names}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
@@ -53,7 +59,7 @@ def compile_sass(fn, kv_type: str, constexprs: dict, num_warps: int, num_stages:
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, n in enumerate(names)
-        if signature[n].startswith("*") or n.startswith("stride")
+        if signature[n].startswith("*") or n.startswith("stride") or n in ints
     }
     kernel = triton.compile(
         ASTSource(fn, signature, values, attrs),
@@ -91,7 +97,9 @@ def loops(sass: str) -> list[collections.Counter]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernels", default="decode-fp8,decode-bf16,unified-fp8,unified-bf16")
+    parser.add_argument(
+        "--kernels", default="decode-fp8,decode-bf16,unified-fp8,unified-bf16,gemv-fp8,gemv-bf16"
+    )
     parser.add_argument(
         "--decode-tiles",
         default="",
@@ -110,13 +118,57 @@ def main() -> None:
             tiles = [tuple(map(int, t.split(","))) for t in args.decode_tiles.split(";") if t]
             for block_n, warps, stages in tiles or [default]:
                 consts = {**DECODE, "BLOCK_N": block_n, "V_PAIRS": dtype == "fp8"}
-                sass = compile_sass(da._paged_decode_split_kernel, kv_type, consts, warps, stages)
+                types = {"kv_ptr": f"*{kv_type}"}
+                sass = compile_sass(da._paged_decode_split_kernel, types, consts, warps, stages)
                 report(f"decode {dtype} ({block_n}, {warps}, {stages})", sass, args.top)
+        elif kind == "gemv":
+            gemv_report(dtype, args.top)
         else:
             consts = {**UNIFIED, "BLOCK_M": ua._PREFILL_BLOCK_M, "BLOCK_N": ua._BLOCK_N}
             consts["BLOCK_Q"] = consts["BLOCK_M"] // consts["GROUP"]
-            sass = compile_sass(ua._unified_attention_kernel, kv_type, consts, 4, 2)
+            types = {"kv_ptr": f"*{kv_type}"}
+            sass = compile_sass(ua._unified_attention_kernel, types, consts, 4, 2)
             report(f"unified {dtype} ({ua._PREFILL_BLOCK_M} rows, {ua._BLOCK_N} keys)", sass, 8)
+
+
+def gemv_report(dtype: str, top: int) -> None:
+    """The batch-1 GEMV's two paths at llama3-8b's shapes, as gemv() configures them."""
+    from lantau.kernels import gemv
+
+    fp8 = dtype == "fp8"
+    itemsize = 1 if fp8 else 2
+    types = {
+        "x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16",
+        "scale_ptr": "*fp32" if fp8 else "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
+    }  # fmt: skip
+    flags = dict(HAS_SCALE=fp8, HAS_BIAS=False, GATED=False, USE_PDL=True)
+    n, k = 6144, 4096  # qkv: the preload, one load of the program's rows
+    block_n, warps, stages = gemv.preload_config(n, k, itemsize)
+    consts = {**flags, "BLOCK_N": block_n, "BLOCK_K": k, "PRELOAD": True}
+    ops = collections.Counter()
+    sass = compile_sass(gemv._gemv_kernel, types, consts, warps, stages, ints=("N", "K"))
+    for op in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass):
+        ops[op.group(1)] += 1
+    per_byte = sum(ops.values()) / (block_n * k * itemsize / (32 * warps))
+    common = ", ".join(f"{op} {c}" for op, c in ops.most_common(top))
+    print(
+        f"gemv {dtype} qkv {n} x {k} preload ({block_n} rows, {warps} warps): "
+        f"{sum(ops.values())} instructions a thread, {per_byte:.2f} a weight byte; {common}",
+        flush=True,
+    )
+    n, k = 4096, 14336  # down_proj: the K loop
+    block_n, block_k, warps, stages = gemv.default_config(n, k)
+    consts = {**flags, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRELOAD": False}
+    sass = compile_sass(gemv._gemv_kernel, types, consts, warps, stages, ints=("N", "K"))
+    for body in loops(sass):
+        per_byte = sum(body.values()) / (block_n * block_k * itemsize / (32 * warps))
+        common = ", ".join(f"{op} {c}" for op, c in body.most_common(top))
+        print(
+            f"gemv {dtype} down {n} x {k} K loop ({block_n} x {block_k}, {warps} warps): "
+            f"{sum(body.values())} instructions a thread an iteration, {per_byte:.2f} a weight "
+            f"byte; {common}",
+            flush=True,
+        )
 
 
 def report(label: str, sass: str, top: int) -> None:
