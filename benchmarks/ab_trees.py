@@ -19,6 +19,7 @@ each log (the benchmark's table) are printed as it ends, and a summary table las
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import subprocess
 import sys
@@ -38,11 +39,8 @@ def tree_from_rev(rev: str, trees_dir: Path) -> Path:
             ["git", "-C", str(REPO), "archive", "--format=tar", rev, "lantau"],
             capture_output=True, check=True,
         )  # fmt: skip
-        tar_path = dest / "lantau.tar"
-        tar_path.write_bytes(archive.stdout)
-        with tarfile.open(tar_path) as tar:
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(dest, filter="data")
-        tar_path.unlink()
     return dest
 
 

@@ -23,16 +23,16 @@ def run_arm(llm, workload, frozen: bool) -> dict:
     from lantau.bench.offline import run_lantau
     from lantau.metrics.gc_pauses import FrozenWhileBusy, GcPauses
 
-    busy = FrozenWhileBusy.busy
+    track = FrozenWhileBusy.track
     if not frozen:
-        FrozenWhileBusy.busy = lambda self: None
+        FrozenWhileBusy.track = lambda self, busy: None
     gc.collect()
     pauses = GcPauses()
     try:
         stats = run_lantau(llm, workload, on_start=pauses.install)
     finally:
         pauses.uninstall()
-        FrozenWhileBusy.busy = busy
+        FrozenWhileBusy.track = track
     by_gen = collections.defaultdict(list)
     for generation, seconds in pauses.drain():
         by_gen[generation].append(seconds)

@@ -46,11 +46,11 @@ POINTERS = {
 }  # fmt: skip
 
 
-def compile_sass(
-    fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, ints=()
-) -> str:
-    """SASS of fn for sm90: `types` of its pointer and float arguments (any other is i32),
-    `ints` the int arguments divisible by 16."""
+def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, ints=()):
+    """fn compiled for sm90 (Triton's CompiledKernel: .asm["ptx"], ["cubin"]): `types` of its
+    pointer and float arguments (any other is i32), the pointers, strides and `ints` marked
+    divisible by 16 as the launcher's specialisation marks them for real shapes (what lets
+    loads vectorise and stage through shared memory)."""
     types = {**POINTERS, **types}
     names = fn.arg_names
     constexprs = {n: v for n, v in constexprs.items() if n in names}
@@ -61,17 +61,36 @@ def compile_sass(
         for i, n in enumerate(names)
         if signature[n].startswith("*") or n.startswith("stride") or n in ints
     }
-    kernel = triton.compile(
+    return triton.compile(
         ASTSource(fn, signature, values, attrs),
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=num_warps, num_stages=num_stages),
     )
+
+
+def disassemble(kernel) -> str:
+    """A compiled kernel's SASS (nvdisasm)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         done = subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True)
     done.check_returncode()
     return done.stdout
+
+
+def compile_sass(
+    fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, ints=()
+) -> str:
+    """SASS of fn for sm90 (compile_sm90's arguments)."""
+    return disassemble(compile_sm90(fn, types, constexprs, num_warps, num_stages, ints))
+
+
+OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")  # after the address comment
+
+
+def opcodes(sass: str) -> collections.Counter:
+    """Opcode counts of SASS lines (a predicate @P0 / @!P0 skipped)."""
+    return collections.Counter(op.group(1) for op in OPCODE.finditer(sass))
 
 
 def loops(sass: str) -> list[collections.Counter]:
@@ -85,11 +104,7 @@ def loops(sass: str) -> list[collections.Counter]:
             labels[label.group(1)] = i
         branch = re.search(r"BRA `\(\.(L_x_\d+)\)", line)
         if branch and labels.get(branch.group(1), i) < i:
-            ops = collections.Counter()
-            for body in lines[labels[branch.group(1)] : i + 1]:
-                op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", body)
-                if op:
-                    ops[op.group(1)] += 1
+            ops = opcodes("\n".join(lines[labels[branch.group(1)] : i + 1]))
             if sum(ops.values()) > 40:  # not a spin or search loop
                 found.append(ops)
     return found
@@ -145,10 +160,7 @@ def gemv_report(dtype: str, top: int) -> None:
     n, k = 6144, 4096  # qkv: the preload, one load of the program's rows
     block_n, warps, stages = gemv.preload_config(n, k, itemsize)
     consts = {**flags, "BLOCK_N": block_n, "BLOCK_K": k, "PRELOAD": True}
-    ops = collections.Counter()
-    sass = compile_sass(gemv._gemv_kernel, types, consts, warps, stages, ints=("N", "K"))
-    for op in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass):
-        ops[op.group(1)] += 1
+    ops = opcodes(compile_sass(gemv._gemv_kernel, types, consts, warps, stages, ints=("N", "K")))
     per_byte = sum(ops.values()) / (block_n * k * itemsize / (32 * warps))
     common = ", ".join(f"{op} {c}" for op, c in ops.most_common(top))
     print(

@@ -282,29 +282,16 @@ _SM90_KERNELS["decode_attention._paged_decode_split_kernel#large"] = (
      "USE_SCRATCH": False, "MERGE_SPLITS": 1},
 )  # fmt: skip
 _COMPILE_SM90 = """
-import importlib, os, subprocess, sys, tempfile, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-NVDISASM = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
+import importlib
+from sass_loops import compile_sm90, disassemble
 for name, (types, constexprs) in KERNELS.items():
     module, fn_name = name.split("#")[0].split(".")
     fn = getattr(importlib.import_module("lantau.kernels." + module), fn_name)
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-    values = {(i,): constexprs[n] for i, n in enumerate(fn.arg_names) if n in constexprs}
-    # as the launcher's specialisation marks them for real shapes: pointers and strides
-    # divisible by 16 (what lets loads vectorise and stage through shared memory)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if signature[n].startswith("*") or n.startswith("stride")}
-    kernel = triton.compile(
-        ASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32)
-    )
+    kernel = compile_sm90(fn, types, constexprs, num_warps=4, num_stages=3)
     ptx = kernel.asm["ptx"]
     print(name, "cubin" in kernel.asm, "cvt.rn.satfinite.e4m3x2" in ptx,
           "cvt.rn.f16x2.e4m3x2" in ptx, "cvt.bf16.f16" in ptx)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True).stdout
+    sass = disassemble(kernel)
     print(name, "byte loads from shared memory:", sass.count("LDS.U8"))
 """
 
@@ -322,7 +309,9 @@ def test_fp8_kernels_compile_for_hopper():
     import sys
 
     code = f"KERNELS = {_SM90_KERNELS!r}\n{_COMPILE_SM90}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "benchmarks")])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:8] == [

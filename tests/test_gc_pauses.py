@@ -76,19 +76,19 @@ def test_frozen_while_busy_thaws_when_idle_and_leaves_a_freeze_not_its_own(thawe
     node = Node()
     ref = weakref.ref(node)
     held = FrozenWhileBusy()
-    held.busy()
+    held.track(busy=True)
     assert gc.get_freeze_count() > 0
     del node  # garbage while frozen: no collection frees its cycle
     gc.collect()
     assert ref() is not None
-    held.idle()
+    held.track(busy=False)
     assert gc.get_freeze_count() == 0
     gc.collect()  # thawed: the cycle is collected after all
     assert ref() is None
     # a heap frozen by someone else (a served process's start-up) stays frozen
     frozen = freeze_startup_heap()
-    held.busy()
-    held.idle()
+    held.track(busy=True)
+    held.track(busy=False)
     assert gc.get_freeze_count() == frozen
 
 

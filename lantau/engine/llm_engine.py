@@ -196,8 +196,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.processor.abort_request(request_id))
-        if not self.has_unfinished_requests:
-            self.gc.idle()
+        self.gc.track(self.has_unfinished_requests)
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -210,11 +209,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; the RequestOutputs it advanced (finished ones last seen here).
         From the first step with requests to the last one done, the heap is frozen (self.gc)."""
-        if self.has_unfinished_requests:
-            self.gc.busy()
+        self.gc.track(self.has_unfinished_requests)
         outputs, stopped = self.processor.process(self.core.step())
         if stopped:
             self.core.abort_requests(stopped, FinishReason.STOP)
-        if not self.has_unfinished_requests:
-            self.gc.idle()
+        self.gc.track(self.has_unfinished_requests)
         return outputs

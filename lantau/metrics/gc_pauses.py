@@ -37,23 +37,22 @@ class FrozenWhileBusy:
     offline`): what existed when its steps began (start-up's objects and every request queued
     so far) out of the walks of the collections during them, until the last request is done.
 
-    An offline engine's process is the user's, so nothing stays frozen for good: idle()
+    An offline engine's process is the user's, so nothing stays frozen for good: once idle it
     unfreezes, and cycles made garbage in between are collected after. On random:tiny with 2,304
-    W3-128 requests at 384 a step (CPU), the full collections during the run walked ~1 s of the
-    run's time away in 8 pauses of up to 131 ms; each stalls the host, and an engine whose next
-    step waits on it leaves the GPU idle. busy() leaves a heap someone else froze (a served
-    process's) as it is."""
+    W3-128 requests at 384 a step (CPU), the full collections during the run took 1.0-1.2 s in
+    7 pauses of up to 243 ms, 26-28 ms in all frozen (benchmarks/cpu_gc_offline.py); each
+    stalls the host, and an engine whose next step waits on it leaves the GPU idle. A heap
+    someone else froze (a served process's) is left as it is."""
 
     def __init__(self) -> None:
         self.frozen = False
 
-    def busy(self) -> None:
-        if not self.frozen and gc.get_freeze_count() == 0:
+    def track(self, busy: bool) -> None:
+        """The engine has requests (busy) or not: freeze or thaw to match."""
+        if busy and not self.frozen and gc.get_freeze_count() == 0:
             gc.freeze()
             self.frozen = True
-
-    def idle(self) -> None:
-        if self.frozen:
+        elif not busy and self.frozen:
             gc.unfreeze()
             self.frozen = False
 
