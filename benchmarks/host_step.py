@@ -50,17 +50,11 @@ class PhaseClock:
 
 def run(llm, workload, clock: PhaseClock) -> dict:
     """run_lantau's loop, each step's phases and kind kept; returns the summary by kind."""
-    from lantau import SamplingParams
+    from lantau.bench.offline import warm_up
 
     engine = llm.engine
     core = engine.core
-    params = SamplingParams(
-        temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True, detokenize=False
-    )
-    warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
-    num_warm = llm.config.scheduler.max_num_seqs
-    llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:num_warm]], warm)
-    llm.reset_prefix_cache()
+    params = warm_up(llm, workload)
     steps = []
     start = time.perf_counter()
     for i, prompt in enumerate(workload.prompts):

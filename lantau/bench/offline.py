@@ -153,21 +153,26 @@ def greedy_agreement(llm, prompt_token_ids: list[int], reference: list[int] | No
     return tokens, same
 
 
+def warm_up(llm, workload: Workload) -> SamplingParams:
+    """The workload's first prompts (as many as run at once) through the engine, for its own
+    shapes (kernel specializations, allocator), then a cold prefix cache; returns the timed
+    run's sampling parameters (greedy, the workload's length, no text)."""
+    warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
+    num_warm = llm.config.scheduler.max_num_seqs
+    llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:num_warm]], warm)
+    llm.reset_prefix_cache()
+    return SamplingParams(
+        temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True, detokenize=False
+    )
+
+
 def run_lantau(llm, workload: Workload, on_start=None) -> RunStats:
     """All requests at once; per-request TTFT and end-to-end from the run's start.
 
     A warm-up on the workload's own first prompts (as many as run at once) comes first, then
     the prefix cache is reset; `on_start()` is called right before the timed run."""
     engine = llm.engine
-    params = SamplingParams(
-        temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True, detokenize=False
-    )
-    # warm-up on the workload's own shapes (kernel specializations, allocator), then a cold
-    # prefix cache for the timed run
-    warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
-    num_warm = llm.config.scheduler.max_num_seqs
-    llm.generate([{"prompt_token_ids": p} for p in workload.prompts[:num_warm]], warm)
-    llm.reset_prefix_cache()
+    params = warm_up(llm, workload)
     if on_start is not None:
         on_start()
     ttft: dict[str, float] = {}
