@@ -180,7 +180,7 @@ def check_kv_writes(dev, dtype, scale) -> dict:
 # decode attention tiles (BLOCK_N, num_warps, num_stages) tried on the fp8 cache besides the
 # default (64, 4, 2): an fp8 tile of 64 keys is half a bf16 one's bytes, so longer or deeper
 # tiles may keep as many bytes in flight
-FP8_TILES = ((128, 4, 2), (128, 8, 2), (64, 4, 3))
+FP8_TILES = ((128, 4, 2), (64, 4, 2), (64, 2, 2))
 SPLITS: tuple[int, ...] = ()  # --num-splits: the fp8 cache's default tile at these split counts
 
 

@@ -24,6 +24,7 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real: this script needs no GPU
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.backends.nvidia  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -129,7 +130,7 @@ def main() -> None:
         kind, dtype = name.split("-")
         kv_type = "fp8e4nv" if dtype == "fp8" else "bf16"
         if kind == "decode":
-            default = (da._DECODE_BLOCK_N * (2 if dtype == "fp8" else 1), 4, da._DECODE_STAGES)
+            default = da.default_tile(torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16)
             tiles = [tuple(map(int, t.split(","))) for t in args.decode_tiles.split(";") if t]
             for block_n, warps, stages in tiles or [default]:
                 consts = {**DECODE, "BLOCK_N": block_n, "V_PAIRS": dtype == "fp8"}

@@ -496,6 +496,17 @@ class DecodeRope(NamedTuple):
         assert kv_cache.is_contiguous(), "rope: the cache must be contiguous (slot addressing)"
 
 
+def default_tile(kv_cache_dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel for a cache dtype. An fp8 tile
+    takes twice the keys, a bf16 tile's bytes (faster on an H200 from 32 to 256 requests:
+    RESULTS.md, "fp8 KV decode attention"), over 2 warps, not 4: with its values read as pairs a
+    warp-pair issues 2,420 instructions a tile against 2,756 for 4 warps (sass_loops.py), and on
+    an H100 it was as fast or faster at every batch x context measured (RESULTS.md)."""
+    if kv_cache_dtype == FP8_KV_DTYPE:
+        return 2 * _DECODE_BLOCK_N, 2, _DECODE_STAGES
+    return _DECODE_BLOCK_N, 4, _DECODE_STAGES
+
+
 def default_merge_chunk(num_splits: int, group: int, head_dim: int) -> int:
     """Splits the in-launch merge loads at once: all of them, up to 8,192 fp32 values of
     partials (64 registers a thread over 4 warps)."""
@@ -561,10 +572,7 @@ def paged_decode_attention(
     if num_reqs == 0:
         return
     group = num_heads // num_kv_heads
-    # an fp8 cache's tile takes twice the keys, a bf16 tile's bytes (measured faster on an H200
-    # from 32 to 256 requests: RESULTS.md, "fp8 KV decode attention")
-    keys = _DECODE_BLOCK_N * (2 if kv_cache.element_size() == 1 else 1)
-    block_n, num_warps, num_stages = config or (keys, 4, _DECODE_STAGES)
+    block_n, num_warps, num_stages = config or default_tile(kv_cache.dtype)
     use_scratch = num_splits > 1
     if use_scratch:
         part_out = torch.empty(
