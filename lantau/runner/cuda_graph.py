@@ -211,7 +211,8 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self):
         """Each turn's, largest first, all sharing one memory pool (replays never overlap);
-        returns the pool."""
+        returns the pool. Only turn 0's captures run their shape eagerly first (compiling its
+        kernels, settling the allocator): turn 1's shapes are the same, only buffers differ."""
         pool = None
         for turn, inp in enumerate(self.turns):
             inp.seq_lens.fill_(1)
@@ -222,9 +223,9 @@ class CudaGraphRunner:
                 for graphs, max_seq_len in ((inp.graphs, None), (inp.short_graphs, short)):
                     if max_seq_len == 0:
                         continue
-                    # warm-up: compiles kernels, settles the allocator
-                    self._step(bs, max_seq_len, turn)
-                    torch.cuda.synchronize()
+                    if turn == 0:  # warm-up: compiles kernels, settles the allocator
+                        self._step(bs, max_seq_len, turn)
+                        torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     # thread_local: the weights may be loading on other threads (load_in_background)
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
