@@ -178,8 +178,8 @@ def check_kv_writes(dev, dtype, scale) -> dict:
 
 
 # decode attention tiles (BLOCK_N, num_warps, num_stages) tried on the fp8 cache besides the
-# default (64, 4, 2): an fp8 tile of 64 keys is half a bf16 one's bytes, so longer or deeper
-# tiles may keep as many bytes in flight
+# default (decode_attention.default_tile: 128 keys over 2 warps): the old default over 4 warps,
+# and 64-key tiles (half the bytes of a bf16 tile, faster at short contexts on an H100)
 FP8_TILES = ((128, 4, 2), (64, 4, 2), (64, 2, 2))
 SPLITS: tuple[int, ...] = ()  # --num-splits: the fp8 cache's default tile at these split counts
 

@@ -77,8 +77,8 @@ def run(llm, workload, clock: PhaseClock) -> dict:
         row["wall_ms"] = 1000 * statistics.median(w for w, _, _ in group)
         for phase in PHASES:
             row[phase] = 1000 * statistics.median(p.get(phase, 0.0) for _, p, _ in group)
-        # collect's time includes its wait for the device
-        row["host_ms"] = sum(row[p] for p in PHASES) - 2 * row["collect_wait"]
+        # the host's own work: every phase but the wait, which collect's time includes
+        row["host_ms"] = sum(row[p] for p in PHASES if p != "collect_wait") - row["collect_wait"]
         row["waited"] = sum(w for _, _, w in group) / len(group)
         rows.append(row)
     return {"elapsed_s": elapsed, "steps": len(steps), "rows": rows}
