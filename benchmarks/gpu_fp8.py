@@ -12,6 +12,8 @@ Sections, in order (each on its own: an error is printed and the next section ru
   ceilings  copy bandwidth, bf16 and row-wise fp8 matmul rates (8192^3)
   kernels   at llama3-8b's projection shapes: the fp8 GEMV vs `_scaled_mm` vs the dequantized
             fp32 reference; the per-token quantization kernel vs torch
+  accum     `_scaled_mm` with and without fast accumulation at the 8B and 70B projection
+            shapes and 128 to 16,384 rows: TFLOP/s and error against the dequantized product
   w2-bf16   random:llama3-8b bf16: W2 (ms/token), and the reference logits / greedy tokens
   fp8-8b    random:llama3-8b fp8 (the same draws, quantized): logits rel. error, top-1 and
             greedy agreement against bf16; W2-fp8; W3-fp8-128, -1000, -2048 (trimmed)
@@ -68,6 +70,8 @@ TARGETS = {
     "W4-1000": ">= 3,000 tok/s",
 }
 PRELOAD_TILES = [(2, 0, 2, 1), (2, 0, 4, 1), (4, 0, 4, 1), (4, 0, 8, 1), (8, 0, 8, 1)]
+# the accum section's rows: decode batches (W4's 128, W3's 384, 512) and prefill steps
+ACCUM_ROWS = (128, 384, 512, 2048, 16384)
 
 
 @section("ceilings")
@@ -79,7 +83,8 @@ def ceilings() -> None:
         (
             "ceilings",
             f"{c['copy_tb_s']} TB/s copy",
-            f"mm bf16 {c['bf16_matmul_tflop_s']}, fp8 {c.get('fp8_matmul_tflop_s')} TFLOP/s",
+            f"mm bf16 {c['bf16_matmul_tflop_s']}, fp8 {c.get('fp8_matmul_tflop_s')} (fast accum "
+            f"{c.get('fp8_fast_matmul_tflop_s')}) TFLOP/s",
         )
     )
 
@@ -133,6 +138,69 @@ def kernels() -> None:
             f"GEMV vs bf16 weights {worst_fp8:.3f} (fp8's own error)",
         )
     )
+
+
+@section("accum")
+def accum() -> None:
+    """Each projection shape at each row count: `_scaled_mm` (x quantized by the engine's kernel)
+    with use_fast_accum False and True, timed in one CUDA graph over enough weight copies that
+    L2 holds none (decode sizes); TFLOP/s, GB/s of weights, and each one's error against the
+    dequantized fp32 product on the first 256 rows."""
+    from lantau.bench.offline import graph_ms
+    from lantau.kernels import fp8_quant
+    from lantau.model import fp8
+
+    res = {}
+    for name, (n, k) in {**SHAPES_8B, **SHAPES_70B}.items():
+        copies = max(2, (1 << 30) // (n * k))  # about 1 GB of e4m3 weights
+        ws = [fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
+        w_ref = fp8.dequantize_rows(*ws[0])  # [N, K] fp32
+        for m in ACCUM_ROWS:
+            used = ws if m < 2048 else ws[:2]  # prefill sizes are compute-bound
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = fp8_quant.quantize_rows(x)
+            ref = fp8.dequantize_rows(xq[:256], xs[:256]) @ w_ref.T
+            row = {}
+            for fast in (False, True):
+
+                def run(fast=fast, used=used, xq=xq, xs=xs):
+                    return [
+                        torch._scaled_mm(
+                            xq,
+                            q.t(),
+                            scale_a=xs[:, None],
+                            scale_b=s[None, :],
+                            out_dtype=torch.bfloat16,
+                            use_fast_accum=fast,
+                        )
+                        for q, s in used
+                    ]
+
+                err = rel_err(run()[0][:256], ref)
+                ms = graph_ms(run) / len(used)
+                key = "fast" if fast else "slow"
+                row[key] = {
+                    "us": round(1e3 * ms, 2),
+                    "tflop_s": round(2 * m * n * k / ms / 1e9, 1),
+                    "weight_gb_s": round(n * k / ms / 1e6, 1),
+                    "rel_err": err,
+                }
+                torch.cuda.empty_cache()
+            res[f"{name} x{m}"] = row
+            slow, fast_ = row["slow"], row["fast"]
+            TABLE.append(
+                (
+                    f"_scaled_mm {name} {n}x{k}, {m} rows",
+                    f"fast {fast_['tflop_s']:.0f} vs {slow['tflop_s']:.0f} TFLOP/s "
+                    f"({fast_['weight_gb_s']:.0f} vs {slow['weight_gb_s']:.0f} GB/s)",
+                    f"err {fast_['rel_err']:.1e} vs {slow['rel_err']:.1e}",
+                )
+            )
+            print(TABLE[-1], flush=True)
+            del x, xq, xs, ref
+        del ws, w_ref
+        torch.cuda.empty_cache()
+    RESULTS["accum"] = res
 
 
 def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n: int) -> dict:
@@ -420,6 +488,7 @@ def main() -> None:
     for name, fn, fn_args in [
         ("ceilings", ceilings, ()),
         ("kernels", kernels, ()),
+        ("accum", accum, ()),
         ("w2-bf16", w2_bf16, (ref,)),
         ("fp8-8b", fp8_8b, (ref, counts, w3_seqs)),
         ("w4", w4, (counts, w4_seqs)),

@@ -63,7 +63,8 @@ class RunStats:
 
 def measure_ceilings(device: torch.device) -> dict:
     """Device-to-device copy bandwidth (bytes read + written), the bf16 matmul rate and, where
-    the GPU has them, row-wise-scaled fp8 matmuls' (`_scaled_mm`, bf16 out)."""
+    the GPU has them, row-wise-scaled fp8 matmuls' (`_scaled_mm`, bf16 out), with and without
+    fast accumulation."""
     if device.type != "cuda":
         return {}
     n = 1 << 30  # 2 GiB of bf16 per buffer
@@ -87,6 +88,18 @@ def measure_ceilings(device: torch.device) -> dict:
             )
         )
         ceilings["fp8_matmul_tflop_s"] = round(2 * 8192**3 / fp8_ms / 1e9, 1)
+        fast_ms = _time_cuda(
+            lambda: torch._scaled_mm(
+                xq,
+                yq.t(),
+                scale_a=xs[:, None],
+                scale_b=ys[None, :],
+                out_dtype=torch.bfloat16,
+                use_fast_accum=True,
+            )
+        )
+        # the engine's fp8 projections accumulate fast (model/fp8.py)
+        ceilings["fp8_fast_matmul_tflop_s"] = round(2 * 8192**3 / fast_ms / 1e9, 1)
     return ceilings
 
 
