@@ -40,4 +40,6 @@ def test_served_engine_reports_the_background_load(engine_folder):
     # the core's stages: the model built, the KV cache sized, its weights loading (beside the
     # graphs on CUDA), then the wait for them
     assert list(stages)[:3] == ["engine_core", "model", "kv_profile"]
-    assert stages["weights"] >= 0 and stages["weights_wait"] <= stages["weights"]
+    # the wait also covers the loading thread's own start (its clock starts inside it): on a
+    # busy 2-core box a few ms more than the load on CPU, where nothing runs beside it
+    assert stages["weights"] >= 0 and stages["weights_wait"] <= stages["weights"] + 0.05
