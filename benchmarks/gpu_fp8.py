@@ -109,9 +109,7 @@ def kernels() -> None:
         exact = gemv_ref(x, w)
         y_gemv = gemv(x, wq, weight_scale=ws, preload=k <= 8192)
         xq, xs = fp8_quant.quantize_rows(x)
-        y_mm = torch._scaled_mm(
-            xq, wq.t(), scale_a=xs[:, None], scale_b=ws[None, :], out_dtype=torch.bfloat16
-        )
+        y_mm = fp8.scaled_mm(xq, xs, wq, ws)
         # _scaled_mm's reference quantizes x too (the GEMV reads x as it is)
         both_dequantized = gemv_ref(fp8.dequantize_rows(xq, xs), wq, weight_scale=ws)
         res[name] = {
@@ -164,17 +162,7 @@ def accum() -> None:
             for fast in (False, True):
 
                 def run(fast=fast, used=used, xq=xq, xs=xs):
-                    return [
-                        torch._scaled_mm(
-                            xq,
-                            q.t(),
-                            scale_a=xs[:, None],
-                            scale_b=s[None, :],
-                            out_dtype=torch.bfloat16,
-                            use_fast_accum=fast,
-                        )
-                        for q, s in used
-                    ]
+                    return [fp8.scaled_mm(xq, xs, q, s, fast) for q, s in used]
 
                 err = rel_err(run()[0][:256], ref)
                 ms = graph_ms(run) / len(used)

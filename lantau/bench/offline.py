@@ -79,21 +79,12 @@ def measure_ceilings(device: torch.device) -> dict:
         "bf16_matmul_tflop_s": round(2 * 8192**3 / mm_ms / 1e9, 1),
     }
     if torch.cuda.get_device_capability(device) >= (8, 9):
-        from lantau.model.fp8 import quantize_rows
+        from lantau.model.fp8 import quantize_rows, scaled_mm
 
         (xq, xs), (yq, ys) = quantize_rows(x), quantize_rows(y)
         # the engine's fp8 projections accumulate fast (model/fp8.py)
         for key, fast in (("fp8_matmul_tflop_s", False), ("fp8_fast_matmul_tflop_s", True)):
-            fp8_ms = _time_cuda(
-                lambda fast=fast: torch._scaled_mm(
-                    xq,
-                    yq.t(),
-                    scale_a=xs[:, None],
-                    scale_b=ys[None, :],
-                    out_dtype=torch.bfloat16,
-                    use_fast_accum=fast,
-                )
-            )
+            fp8_ms = _time_cuda(lambda fast=fast: scaled_mm(xq, xs, yq, ys, fast))
             ceilings[key] = round(2 * 8192**3 / fp8_ms / 1e9, 1)
     return ceilings
 

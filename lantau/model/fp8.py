@@ -83,28 +83,40 @@ def fp8_linear_ref(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def scaled_mm(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    fast_accum: bool = True,
+) -> torch.Tensor:
+    """`torch._scaled_mm` with row-wise scales: xq [M, K] e4m3 with its row scales xs [M], wq
+    [N, K] e4m3 with ws [N] -> [M, N] bf16 (CUDA: tensor cores, compute capability 8.9+; CPU
+    too). NOTE: Hopper's fp8 tensor cores sum the products in an accumulator narrower than
+    fp32; without fast accumulation the kernel moves the sum into fp32 registers every few K
+    steps (CUTLASS's promotion), at a cost in throughput. The model accumulates fast, as vLLM's
+    and TensorRT-LLM's fp8 GEMMs do (no effect on CPU)."""
+    return torch._scaled_mm(
+        xq,
+        wq.t(),  # [K, N] column-major, as _scaled_mm wants its second operand
+        scale_a=xs[:, None],  # [M, 1]
+        scale_b=ws[None, :],  # [1, N]
+        out_dtype=torch.bfloat16,
+        use_fast_accum=fast_accum,
+    )
+
+
 def fp8_linear_scaled_mm(
     x: torch.Tensor,
     layer: Fp8Linear,
     xq: torch.Tensor | None = None,
     xs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`torch._scaled_mm` with row-wise scales (CUDA: tensor cores, compute capability 8.9+).
-    x: [M, K] bf16 -> [M, N] bf16. xq, xs: x already quantized (the Triton kernel's)."""
+    """The layer's product through `scaled_mm`. x: [M, K] bf16 -> [M, N] bf16. xq, xs: x
+    already quantized (the Triton kernel's)."""
     if xq is None:
         xq, xs = quantize_rows(x)
-    y = torch._scaled_mm(
-        xq,
-        layer.weight.t(),  # [K, N] column-major, as _scaled_mm wants its second operand
-        scale_a=xs[:, None],  # [M, 1]
-        scale_b=layer.weight_scale[None, :],  # [1, N]
-        out_dtype=torch.bfloat16,
-        # NOTE: Hopper's fp8 tensor cores sum the products in an accumulator narrower than
-        # fp32; without fast accumulation the kernel moves the sum into fp32 registers every
-        # few K steps (CUTLASS's promotion), at a cost in throughput. vLLM's and TensorRT-LLM's
-        # fp8 GEMMs accumulate fast (no effect on CPU)
-        use_fast_accum=True,
-    )
+    y = scaled_mm(xq, xs, layer.weight, layer.weight_scale)
     if layer.bias is not None:
         y = y + layer.bias
     return y.to(x.dtype)
