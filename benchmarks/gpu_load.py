@@ -54,10 +54,13 @@ def drop_page_cache(enabled: bool = True) -> bool:
         return False
 
 
-def run_child(python: str, code: str, *argv: str, timeout: float = 900) -> dict:
-    """Run `code` in a fresh interpreter; its last stdout line is a JSON object."""
+def run_child(
+    python: str, code: str, *argv: str, timeout: float = 900, env: dict | None = None
+) -> dict:
+    """Run `code` in a fresh interpreter (`env`: its environment, default ours); its last
+    stdout line is a JSON object."""
     done = subprocess.run(
-        [python, "-c", code, *argv], capture_output=True, text=True, timeout=timeout
+        [python, "-c", code, *argv], capture_output=True, text=True, timeout=timeout, env=env
     )
     if done.returncode != 0:
         raise SystemExit(f"child failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
@@ -164,8 +167,16 @@ model = build_model(source, m.model_config, torch.bfloat16, device, 0)
 if device.type == "cuda":
     torch.cuda.synchronize()
 total = time.perf_counter() - start
+equal = None
+if sys.argv[4:] == ["check"]:  # every tensor against safetensors' own read of the shards
+    from safetensors import safe_open
+    params, equal = engine_loader.engine_tensors(model), True
+    for shard in m.shards:
+        with safe_open(str(folder / shard), framework="pt", device=str(device)) as f:
+            equal = equal and all(torch.equal(f.get_tensor(k), params[k]) for k in f.keys())
 print(json.dumps({"seconds": total, **timing, "construct_s": total - timing["weights_s"],
-                  "device_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
+                  "device_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                  "equal": equal}))
 """
 
 HF_LOAD_CODE = r"""
@@ -187,6 +198,14 @@ if device.type == "cuda":
 print(json.dumps({"seconds": time.perf_counter() - start, "how": how,
                   "device_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
 """
+
+
+def tree_env(path: str) -> dict:
+    """Our environment with the lantau source tree `path` first on the import path (and not
+    the working directory)."""
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
+    return env
 
 
 def gpu_memory_used() -> float | None:
@@ -279,9 +298,10 @@ def table(result: dict) -> str:
         ("lantau load (checksums on)", lantau),
         ("lantau load (checksums off)", result["lantau_load_unverified"]["seconds"]),
         ("HF from_pretrained", hf),
-        ("lantau serve REPO -> ready", result["serve"]["seconds"]),
     ]
-    no_kernels = result.get("serve_no_kernels")
+    serve, no_kernels = result.get("serve"), result.get("serve_no_kernels")
+    if serve:
+        rows.append(("lantau serve REPO -> ready", serve["seconds"]))
     if no_kernels:  # --compile-kernels: both from an empty Triton cache
         rows[-1] = ("serve -> ready, fresh, kernels", result["serve"]["seconds"])
         rows.append(("serve -> ready, fresh, none", no_kernels["seconds"]))
@@ -292,16 +312,17 @@ def table(result: dict) -> str:
     for name, seconds in rows:
         if seconds is not None:
             lines.append(f"{name:<30} {seconds:>8.2f} {gb / seconds:>7.2f}")
-    lines.append(f"serve stages (s): {describe_stages(result['serve'])}")
+    if serve:
+        lines.append(f"serve stages (s): {describe_stages(serve)}")
     if no_kernels:
         lines.append(f"serve stages without kernels/ (s): {describe_stages(no_kernels)}")
         for info in result["kernels"]:
             lines.append(f"kernels/{info['name']}: {info['num_entries']} Triton cache entries, "
                          f"{info['num_files']} files")  # fmt: skip
-    serve = result["serve"]
-    lines.append(f"unload {serve['unload_s']:.1f} s; load again (warm cache, API) "
-                 f"{serve['reload_s']:.1f} s")  # fmt: skip
-    memory = serve["gpu_memory_bytes"]
+    if serve:
+        lines.append(f"unload {serve['unload_s']:.1f} s; load again (warm cache, API) "
+                     f"{serve['reload_s']:.1f} s")  # fmt: skip
+    memory = serve["gpu_memory_bytes"] if serve else {"served": None}
     if None not in memory.values():
         lines.append(
             "GPU memory used (GB): before serve {before_serve:.2f}, served {served:.2f}, "
@@ -316,8 +337,20 @@ def table(result: dict) -> str:
             ratio = hf_warm["seconds"] / warm["seconds"]
             line += f", HF {hf_warm['seconds']:.2f} s: {ratio:.1f}x faster"
         lines.append(line)
+    for name, loads in result.get("trees", {}).items():
+        if not name:
+            continue
+        kinds = {"lantau_load": "cold", "lantau_load_unverified": "cold, unverified",
+                 "lantau_load_warm": "warm"}  # fmt: skip
+        times = "; ".join(f"{kinds[k]} " + " / ".join(f"{r['seconds']:.2f}" for r in rows)
+                          for k, rows in loads.items())  # fmt: skip
+        checked = [r["equal"] for rows in loads.values() for r in rows if "equal" in r]
+        checked = [c for c in checked if c is not None]
+        check = f" (weights equal to safetensors' read: {all(checked)})" if checked else ""
+        lines.append(f"tree {name}: {times} s{check}")
     lines.append(f"lantau vs disk read: {lantau / disk:.2f}x the disk time (goal <= 1.5x)")
-    lines.append(f"serve to ready: {result['serve']['seconds']:.1f} s (goal <= 15 s)")
+    if serve:
+        lines.append(f"serve to ready: {serve['seconds']:.1f} s (goal <= 15 s)")
     return "\n".join(lines)
 
 
@@ -339,6 +372,17 @@ def main() -> int:
         "--compile-kernels", action="store_true",
         help="build with --compile-kernels; serve from an empty Triton cache without, then with "
         "the folder's kernels (CUDA only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tree", action="append", default=[], metavar="NAME=PATH",
+        help="time lantau's loads with each of these source trees in turn (repeatable; default: "
+        "this one); the table shows the first's, every load is in w6.json's trees",
+    )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1, help="the trees' loads this many times")
+    p.add_argument("--skip-serve", action="store_true", help="no `lantau serve REPO` at the end")
+    p.add_argument(
+        "--check", action="store_true",
+        help="the warm loads also compare every tensor with safetensors' read of the shards",
     )  # fmt: skip
     p.add_argument(
         "--no-drop-cache", dest="drop_cache", action="store_false",
@@ -368,21 +412,32 @@ def main() -> int:
         run_child(args.python, HF_FOLDER_CODE, str(engine_dir), str(hf_dir))
         print(f"HF folder: {time.perf_counter() - start:.1f} s", flush=True)
 
-    def timed(name: str, code: str, *argv: str, drop: bool = True) -> dict:
+    def timed(name: str, code: str, *argv: str, drop: bool = True, env=None) -> dict:
         cold = drop_page_cache(args.drop_cache and drop)
         if drop:
             result["cold_cache"] = cold
-        result[name] = run_child(args.python, code, *argv)
+        result[name] = run_child(args.python, code, *argv, env=env)
         print(f"{name}: {result[name]['seconds']:.2f} s (cold cache: {cold})", flush=True)
         return result[name]
 
     threads = str(min(len(shards), os.cpu_count() or 1, 16))
     timed("disk_read_parallel", READ_CODE, ",".join(shards), threads)
     timed("disk_read_one", READ_CODE, ",".join(shards), "1")
-    timed("lantau_load", LANTAU_LOAD_CODE, str(engine_dir), "1", args.device)
-    timed("lantau_load_unverified", LANTAU_LOAD_CODE, str(engine_dir), "0", args.device)
-    if args.warm:  # the files just read are in the page cache
-        timed("lantau_load_warm", LANTAU_LOAD_CODE, str(engine_dir), "1", args.device, drop=False)
+    trees = dict(t.split("=", 1) for t in args.tree) or {"": ""}
+    result["trees"] = {name: {} for name in trees}
+    for round_ in range(args.rounds):  # each tree's loads in turn, interleaved
+        for name, path in trees.items():
+            env = tree_env(path) if path else None
+            at = f"@{name}#{round_}" if args.tree else ""
+            runs = [("lantau_load", "1", True), ("lantau_load_unverified", "0", True)]
+            if args.warm:  # the files just read are in the page cache
+                runs.append(("lantau_load_warm", "1", False))
+            for key, verify, drop in runs:
+                check = ["check"] if args.check and key == "lantau_load_warm" else []
+                row = timed(key + at, LANTAU_LOAD_CODE, str(engine_dir), verify, args.device,
+                            *check, drop=drop, env=env)  # fmt: skip
+                result["trees"][name].setdefault(key, []).append(row)
+                result.setdefault(key, row)  # the table's: the first tree's first round
     if not args.skip_hf:
         timed("hf_load", HF_LOAD_CODE, str(hf_dir), args.device)
         if args.warm:
@@ -391,7 +446,9 @@ def main() -> int:
     serve_args = [*(["--device", "cpu"] if args.device == "cpu" else []), *args.serve_arg]
     if args.device == "cpu":
         serve_args += ["--num-kv-blocks", "64", "--max-model-len", "256"]
-    if args.compile_kernels:
+    if args.skip_serve:
+        pass
+    elif args.compile_kernels:
         result.update(serve_both_ways(args, work, engine_dir, serve_args))
     else:
         result["serve"] = serve_to_ready(args.python, work / "repo", work / "serve.log", serve_args)
@@ -400,8 +457,9 @@ def main() -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         shutil.copy(work / "w6.json", Path(args.out) / "w6.json")
-        shutil.copy(work / "serve.log", Path(args.out) / "w6-serve.log")
-        if args.compile_kernels:
+        if not args.skip_serve:
+            shutil.copy(work / "serve.log", Path(args.out) / "w6-serve.log")
+        if args.compile_kernels and not args.skip_serve:
             shutil.copy(work / "serve-no-kernels.log", Path(args.out) / "w6-serve-no-kernels.log")
     print(text)
     return 0

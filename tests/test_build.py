@@ -94,16 +94,13 @@ def hashed(monkeypatch, tmp_path):
     monkeypatch.setenv("LANTAU_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(engine_loader, "STAMP_MIN_AGE_S", 0.0)
     names: list[str] = []
-    hashers: list = []  # one a shard hashed (kept, so that no id is reused)
-    read_into = engine_loader._read_into
+    load_hashed = engine_loader._load_hashed
 
-    def spy_read_into(f, dst, device, local, hasher, path):
-        if hasher is not None and not any(h is hasher for h in hashers):
-            hashers.append(hasher)
-            names.append(path.name)
-        return read_into(f, dst, device, local, hasher, path)
+    def spy_load_hashed(plan, reader):
+        names.append(plan.path.name)
+        return load_hashed(plan, reader)
 
-    monkeypatch.setattr(engine_loader, "_read_into", spy_read_into)
+    monkeypatch.setattr(engine_loader, "_load_hashed", spy_load_hashed)
     return names
 
 
@@ -136,6 +133,33 @@ def test_a_verified_shard_is_hashed_once_a_change(tiny_engine, tmp_path, hashed)
     with pytest.raises(ModelLoadError, match="checksum mismatch"):
         load_weights(folder)
     assert hashed == [shards[0]]
+
+
+def test_pieces_of_a_shard_load_the_same_weights(tiny_engine, tmp_path, hashed, monkeypatch):
+    """A shard hashed before is read in pieces by any thread (here pieces far smaller than
+    its tensors, on more threads than shards): the same weights as the hashed whole-shard
+    read."""
+    import torch
+
+    from lantau.model import engine_loader
+
+    folder = copy_of(tiny_engine, tmp_path)
+    whole = load_weights(folder)
+    assert hashed  # that load hashed (and stamped) every shard
+    hashed.clear()
+    monkeypatch.setattr(engine_loader, "PIECE_BYTES", 1000)
+    pieces: list[int] = []
+    load_piece = engine_loader._load_piece
+
+    def spy_load_piece(path, dst, offset, reader):
+        pieces.append(dst.numel())
+        return load_piece(path, dst, offset, reader)
+
+    monkeypatch.setattr(engine_loader, "_load_piece", spy_load_piece)
+    again = load_weights(folder)
+    assert hashed == [] and max(pieces) == 1000 and len(pieces) > 100
+    assert whole.keys() == again.keys()
+    assert all(torch.equal(whole[k], again[k]) for k in whole)
 
 
 def test_stamps_need_an_old_file_and_a_cache(tiny_engine, tmp_path, hashed, monkeypatch):

@@ -1,6 +1,6 @@
 """Loading an engine folder (`lantau build`'s output) into a built model: the shards read in
-parallel, each byte read once, straight into the parameters (on CUDA through a pinned staging
-buffer per thread), hashed as it passes, checked against the manifest.
+parallel, each byte read once, straight into the parameters (on CUDA through two pinned staging
+buffers per thread), hashed as it passes, checked against the manifest.
 
 A shard is hashed once per state of its file, as git's index does: after a load has hashed it
 and found the manifest's sha256, a stamp in the cache (LANTAU_CACHE_DIR/verified/) records the
@@ -17,6 +17,7 @@ tensor's dtype, shape and [begin, end) in the data), then the data, tensors back
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -32,7 +34,8 @@ from lantau import envs
 from lantau.errors import ModelLoadError
 from lantau.model.manifest import Manifest, TensorSpec, check_layout
 
-STAGING_BYTES = 64 << 20  # per thread, pinned, on CUDA
+STAGING_BYTES = 32 << 20  # each of a thread's two pinned staging buffers, on CUDA
+PIECE_BYTES = 256 << 20  # a job's bytes, where a shard is not hashed
 STAMP_MIN_AGE_S = 2.0  # well over any file system's timestamp tick
 
 
@@ -69,7 +72,12 @@ def load_engine_weights(
     any mismatch: tensor-parallel size, layout, size, checksum). Each tensor's copies are done
     when this returns. `synchronize`: first wait for the device's queued work (kernels that
     write the parameters); a caller on another thread does that itself, before it starts
-    this."""
+    this.
+
+    A shard to hash is one thread's job, read in order (its hash runs over the file); a shard
+    hashed before (or with verify_checksums off) is cut into pieces of about PIECE_BYTES that
+    any thread takes, so the threads finish together: with whole shards as jobs, 18 shards on
+    16 threads left two threads reading the last two alone."""
     tp = model.tp
     if manifest.tensor_parallel_size != tp.size:
         raise ModelLoadError(
@@ -80,18 +88,51 @@ def load_engine_weights(
     check_layout(folder, manifest, tensor_specs(model))
     params = engine_tensors(model)
     device = next(iter(params.values())).device
-    shards = manifest.shards_of(tp.rank)  # this rank's slice
-    num_threads = num_threads or min(len(shards), os.cpu_count() or 1, 16)
+    plans = [
+        _plan_shard(folder / shard, manifest.files[shard]["sha256"], params, verify_checksums)
+        for shard in manifest.shards_of(tp.rank)  # this rank's slice
+    ]
+    jobs = [functools.partial(_load_hashed, plan) for plan in plans if plan.hash]
+    for plan in plans:
+        if not plan.hash:
+            jobs += [functools.partial(_load_piece, plan.path, *p) for p in plan.pieces()]
+    num_threads = num_threads or min(len(jobs), os.cpu_count() or 1, 16)
     if device.type == "cuda" and synchronize:
         torch.cuda.synchronize(device)
-    local = threading.local()  # each thread's staging buffer and stream (CUDA)
+    local = threading.local()  # each thread's reader
+    readers: list[_Reader] = []
 
-    def load(shard: str) -> None:
-        _load_shard(folder / shard, manifest.files[shard]["sha256"], params, device, local,
-                    verify_checksums)  # fmt: skip
+    def run(job) -> None:
+        if not hasattr(local, "reader"):
+            local.reader = _Reader(device)
+            readers.append(local.reader)  # NOTE: list.append is atomic
+        job(local.reader)
 
-    with torch.no_grad(), ThreadPoolExecutor(max(1, num_threads)) as pool:
-        list(pool.map(load, shards))
+    try:
+        with torch.no_grad(), ThreadPoolExecutor(max(1, num_threads)) as pool:
+            list(pool.map(run, jobs))
+    finally:
+        for reader in readers:
+            reader.finish()
+
+
+class _ShardPlan(NamedTuple):
+    """A shard's tensors in file order, checked against the model: (destination bytes, file
+    offset) each; `hash`: whether this load hashes it (the stamp's inputs beside)."""
+
+    path: Path
+    sha256: str
+    head: bytes  # the length and JSON header, hashed first
+    tensors: list[tuple[torch.Tensor, int]]
+    hash: bool
+    identity: dict[str, int]
+    began: float
+
+    def pieces(self):
+        """(destination, file offset) pieces of at most PIECE_BYTES, in file order."""
+        for dst, offset in self.tensors:
+            for start in range(0, max(dst.numel(), 1), PIECE_BYTES):
+                yield dst[start : start + PIECE_BYTES], offset + start
 
 
 def _read_header(f, path: Path) -> tuple[bytes, dict]:
@@ -108,47 +149,58 @@ def _read_header(f, path: Path) -> tuple[bytes, dict]:
     return head + raw, header
 
 
-def _load_shard(
-    path: Path,
-    sha256: str,
-    params: dict[str, torch.Tensor],
-    device: torch.device,
-    local: threading.local,
-    verify: bool,
-) -> None:
+def _plan_shard(
+    path: Path, sha256: str, params: dict[str, torch.Tensor], verify: bool
+) -> _ShardPlan:
+    """Read a shard's header and check it: tensors tiling its data section in offset order,
+    each the size of its parameter, nothing after the last."""
     with open(path, "rb", buffering=0) as f:
-        began, before = time.time(), _identity(os.fstat(f.fileno()))
-        stamp = _stamp_path(path) if verify else None
-        if stamp is not None and _stamped(stamp, sha256, before):
-            verify = False  # hashed before, unchanged since
-        hasher = hashlib.sha256() if verify else None
+        began, identity = time.time(), _identity(os.fstat(f.fileno()))
         head, header = _read_header(f, path)
-        if hasher is not None:
-            hasher.update(head)
-        position = 0  # in the data section: tensors must tile it, in offset order
-        for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            begin, end = entry["data_offsets"]
-            param = params.get(name)
-            if param is None or begin != position:
-                raise ModelLoadError(f"{path}: unexpected tensor {name!r} at byte {begin}")
-            dst = param.detach().view(-1).view(torch.uint8)  # [numel * itemsize] bytes
-            if dst.numel() != end - begin:
-                raise ModelLoadError(f"{path}: {name} holds {end - begin} bytes, expected "
-                                     f"{dst.numel()}")  # fmt: skip
-            _read_into(f, dst, device, local, hasher, path)
-            position = end
-        if f.read(1):
-            raise ModelLoadError(f"{path}: bytes after the last tensor")
-    if hasher is not None and hasher.hexdigest() != sha256:
+    stamp = _stamp_path(path) if verify else None
+    if stamp is not None and _stamped(stamp, sha256, identity):
+        verify = False  # hashed before, unchanged since
+    tensors, position = [], 0  # in the data section: tensors must tile it, in offset order
+    for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, end = entry["data_offsets"]
+        param = params.get(name)
+        if param is None or begin != position:
+            raise ModelLoadError(f"{path}: unexpected tensor {name!r} at byte {begin}")
+        dst = param.detach().view(-1).view(torch.uint8)  # [numel * itemsize] bytes
+        if dst.numel() != end - begin:
+            raise ModelLoadError(f"{path}: {name} holds {end - begin} bytes, expected "
+                                 f"{dst.numel()}")  # fmt: skip
+        tensors.append((dst, len(head) + begin))
+        position = end
+    if len(head) + position != identity["size"]:
+        what = "truncated" if len(head) + position > identity["size"] else "bytes after the last"
+        raise ModelLoadError(f"{path}: {what} tensor")
+    return _ShardPlan(path, sha256, head, tensors, verify, identity, began)
+
+
+def _load_hashed(plan: _ShardPlan, reader: _Reader) -> None:
+    """A shard read whole, in order, hashed as it passes; a match stamps it."""
+    hasher = hashlib.sha256(plan.head)
+    with open(plan.path, "rb", buffering=0) as f:
+        for dst, offset in plan.tensors:
+            reader.read(f.fileno(), offset, dst, plan.path, hasher)
+    if hasher.hexdigest() != plan.sha256:
         raise ModelLoadError(
-            f"{path}: checksum mismatch (sha256 {hasher.hexdigest()[:12]}, the manifest says "
-            f"{sha256[:12]}): the file is corrupt or changed after the build; rebuild this "
-            "folder"
+            f"{plan.path}: checksum mismatch (sha256 {hasher.hexdigest()[:12]}, the manifest "
+            f"says {plan.sha256[:12]}): the file is corrupt or changed after the build; rebuild "
+            "this folder"
         )
-    if hasher is not None and stamp is not None:
-        after = _identity(path.stat())
-        if after == before and began - before["ctime_ns"] / 1e9 > STAMP_MIN_AGE_S:
-            _write_stamp(stamp, {"sha256": sha256, **before})
+    stamp = _stamp_path(plan.path)
+    if stamp is not None:
+        after = _identity(plan.path.stat())
+        old = plan.began - plan.identity["ctime_ns"] / 1e9 > STAMP_MIN_AGE_S
+        if after == plan.identity and old:
+            _write_stamp(stamp, {"sha256": plan.sha256, **plan.identity})
+
+
+def _load_piece(path: Path, dst: torch.Tensor, offset: int, reader: _Reader) -> None:
+    with open(path, "rb", buffering=0) as f:
+        reader.read(f.fileno(), offset, dst, path)
 
 
 def _identity(st: os.stat_result) -> dict[str, int]:
@@ -180,34 +232,54 @@ def _write_stamp(stamp: Path, record: dict) -> None:
         pass
 
 
-def _read_into(f, dst: torch.Tensor, device, local, hasher, path: Path) -> None:
-    """Read len(dst) bytes of f into dst (a uint8 view of a parameter), hashing them."""
-    if device.type != "cuda":
-        view = memoryview(dst.numpy())  # the parameter's own memory
-        done = 0
-        while done < len(view):
-            n = f.readinto(view[done:])
-            if not n:
-                raise ModelLoadError(f"{path}: truncated")
-            done += n
-        if hasher is not None:
-            hasher.update(view)  # NOTE: hashlib releases the GIL on large buffers
-        return
-    if not hasattr(local, "staging"):
-        local.staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
-        local.stream = torch.cuda.Stream(device)
-    staging, view = local.staging, memoryview(local.staging.numpy())
-    for start in range(0, dst.numel(), STAGING_BYTES):
-        size = min(STAGING_BYTES, dst.numel() - start)
-        local.stream.synchronize()  # the last copy out of the staging buffer is done
-        done = 0
-        while done < size:
-            n = f.readinto(view[done:size])
-            if not n:
-                raise ModelLoadError(f"{path}: truncated")
-            done += n
-        if hasher is not None:
-            hasher.update(view[:size])
-        with torch.cuda.stream(local.stream):
-            dst[start : start + size].copy_(staging[:size], non_blocking=True)
-    local.stream.synchronize()
+def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    """Fill view with the file's bytes from offset (os.preadv releases the GIL)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if not n:
+            raise ModelLoadError(f"{path}: truncated")
+        done += n
+
+
+class _Reader:
+    """One loading thread's reads: on the CPU straight into the parameter; on CUDA through two
+    pinned staging buffers, a chunk read into one while the other's copy to the device runs on
+    the thread's stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type != "cuda":
+            return
+        self.staging = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+                        for _ in range(2)]  # fmt: skip
+        self.views = [memoryview(b.numpy()) for b in self.staging]
+        self.copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy
+        self.stream = torch.cuda.Stream(device)
+        self.turn = 0
+
+    def read(self, fd: int, offset: int, dst: torch.Tensor, path: Path, hasher=None) -> None:
+        """dst (a uint8 view of a parameter) from the file's bytes at offset, hashed in order
+        when a hasher is given."""
+        if self.device.type != "cuda":
+            view = memoryview(dst.numpy())  # the parameter's own memory
+            _pread_into(fd, view, offset, path)
+            if hasher is not None:
+                hasher.update(view)  # NOTE: hashlib releases the GIL on large buffers
+            return
+        for start in range(0, dst.numel(), STAGING_BYTES):
+            size = min(STAGING_BYTES, dst.numel() - start)
+            i, self.turn = self.turn, self.turn ^ 1
+            if self.copied[i] is not None:
+                self.copied[i].synchronize()  # its last copy to the device is done
+            _pread_into(fd, self.views[i][:size], offset + start, path)
+            if hasher is not None:
+                hasher.update(self.views[i][:size])
+            with torch.cuda.stream(self.stream):
+                dst[start : start + size].copy_(self.staging[i][:size], non_blocking=True)
+                self.copied[i] = torch.cuda.Event()
+                self.copied[i].record(self.stream)
+
+    def finish(self) -> None:
+        if self.device.type == "cuda":
+            self.stream.synchronize()
