@@ -416,9 +416,12 @@ def main() -> int:
         cold = drop_page_cache(args.drop_cache and drop)
         if drop:
             result["cold_cache"] = cold
-        result[name] = run_child(args.python, code, *argv, env=env)
-        print(f"{name}: {result[name]['seconds']:.2f} s (cold cache: {cold})", flush=True)
-        return result[name]
+        row = result[name] = run_child(args.python, code, *argv, env=env)
+        more = "".join(f", {k} {row[k]:.3f}" for k in ("weights_s",) if k in row)
+        more += f", equal {row['equal']}" if row.get("equal") is not None else ""
+        print(f"{name}: {row['seconds']:.2f} s (cold cache: {cold}{more})", flush=True)
+        (work / "w6.json").write_text(json.dumps(result, indent=1))  # so far: a cut run keeps it
+        return row
 
     threads = str(min(len(shards), os.cpu_count() or 1, 16))
     timed("disk_read_parallel", READ_CODE, ",".join(shards), threads)
