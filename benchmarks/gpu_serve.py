@@ -10,6 +10,11 @@ in .whl) through the start of the first run, every thread and idle time included
 core_profile.txt (py-spy's raw stacks) and core_profile.md: where the core's main loop spends
 its time, by the loop's own call and by the innermost frame.
 
+--step-log has the server log its steps (`lantau serve --step-log OUT/steps.jsonl`) and gives
+each run the summary of its engine steps (lantau/bench/step_log.py): how many of each kind
+(decode, mixed, empty), their batches, and the device's and the host's time for each, so a
+request's TTFT can be set against what its prefill steps cost on the device.
+
 --hf-runs RUNS first sends the runs to HF transformers behind the same HTTP API
 (benchmarks/hf_serve.py, static batches of --hf-max-batch; its own server, gone before lantau's
 starts); each run both servers ran gets lantau's report with the before/after table, in
@@ -35,6 +40,7 @@ import urllib.request
 from pathlib import Path
 
 from lantau.bench.serve import ServeConfig, run_serve
+from lantau.bench.step_log import describe, read_step_log, summarize_steps
 
 
 def free_port() -> int:
@@ -92,7 +98,9 @@ def serve_runs(base: str, specs: list[str], full: dict | None = None) -> list[di
             seed=len(rows),  # no prefix of an earlier run is in cache
             show_progress=False,
         )
+        window = time.monotonic()
         result = run_serve(config).to_dict()
+        result["window"] = [window, time.monotonic()]  # time.monotonic(): the step log's clock
         if full is not None:
             full[spec] = dict(result)
         result.pop("records")
@@ -219,6 +227,10 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--profile-core", type=float, default=0, help="seconds of py-spy on the core")
     p.add_argument("--hf-runs", default="", help="runs against hf_serve.py first (the before)")
+    p.add_argument(
+        "--step-log", action="store_true",
+        help="the server logs its steps (OUT/steps.jsonl); each run's summary by step kind",
+    )  # fmt: skip
     p.add_argument("--hf-max-batch", type=int, default=16, help="hf_serve.py's static batches")
     args = p.parse_args()
     out = Path(args.out)
@@ -228,7 +240,11 @@ def main() -> None:
     if args.hf_runs:
         hf = hf_runs(args.model, args.hf_runs.split(","), args.hf_max_batch, out, before_full)
     port = free_port()
-    proc, ready_s = start_server(args.model, port, args.server_args.split(), out / "server.log")
+    server_args = args.server_args.split()
+    if args.step_log:
+        (out / "steps.jsonl").unlink(missing_ok=True)
+        server_args += ["--step-log", str(out / "steps.jsonl")]
+    proc, ready_s = start_server(args.model, port, server_args, out / "server.log")
     print(f"server ready in {ready_s:.1f} s", flush=True)
     profiler = start_core_profile(proc, args.profile_core, out) if args.profile_core else None
     try:
@@ -241,6 +257,11 @@ def main() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
+    if args.step_log:  # each run's engine steps: kinds, device and host times
+        records = read_step_log(out / "steps.jsonl")
+        for row in served:
+            row["steps"] = summarize_steps(records, *row["window"])
+            print(f"{row['spec']} steps: {describe(row['steps'])}", flush=True)
     offline = offline_runs(args.model, args.offline.split(","), out) if args.offline else []
     result = {"ready_s": ready_s, "served": served, "offline": offline, "hf": hf}
     (out / "gpu_serve.json").write_text(json.dumps(result, indent=1))

@@ -5,6 +5,7 @@ folder), `rollback` (a served model's version), `bench offline`,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lantau.config import KV_CACHE_DTYPES
@@ -99,6 +100,12 @@ def _add_observability_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one JSON line per inference request on stderr (logger lantau.requests)",
     )
+    p.add_argument(
+        "--step-log",
+        metavar="FILE",
+        help="every engine core appends one JSON line a step to FILE: when it began, host and "
+        "device time, requests and tokens (where a request's time goes)",
+    )
 
 
 def chat(args: argparse.Namespace) -> int:
@@ -154,6 +161,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"lantau serve: {repository}", file=sys.stderr)
         return 2
     engine_args = serve_engine_args(args)
+    if args.step_log:  # NOTE: before any engine core spawns: they read it from the environment
+        from lantau import envs
+
+        os.environ[envs.STEP_LOG] = os.path.abspath(args.step_log)
     early = None  # the engine core starts while the web stack below imports
     if repository is None:
         from lantau.engine.args import build_engine_config

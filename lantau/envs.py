@@ -29,6 +29,15 @@ def test_step_delay_file() -> str | None:
     return os.environ.get(TEST_STEP_DELAY_FILE) or None
 
 
+STEP_LOG = "LANTAU_STEP_LOG"
+
+
+def step_log_path() -> str | None:
+    """LANTAU_STEP_LOG (`lantau serve --step-log FILE` sets it): a file every engine core
+    appends one JSON line a step to (engine/core_process.py's `StepLog`)."""
+    return os.environ.get(STEP_LOG) or None
+
+
 def cache_dir() -> str | None:
     """LANTAU_CACHE_DIR: where lantau keeps what it derives from model files (tokenizers
     rebuilt from GGUF metadata, engine shards' verified stamps); default

@@ -144,3 +144,38 @@ def test_serve_spawns_the_engine_core_before_importing_the_web_stack():
     done = subprocess.run(code, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "core first random:tiny"
+
+
+def test_step_log_records_every_serving_step(make_server, tmp_path):
+    """`--step-log FILE`: one JSON line a serving step (none for the warm-up), numbered from
+    1, each with its batch; the new requests across them are the requests sent."""
+    path = tmp_path / "steps.jsonl"
+    server = make_server("--step-log", str(path))
+    prompts = [[5, 17, 300, 9], [1, 2, 3], list(range(40, 70))]
+    for ids in prompts:
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 5, "ignore_eos": True}
+        r = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    wait_idle(server)
+    records = [orjson.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    assert sum(r["new"] for r in records) == len(prompts)
+    # each request: its prompt in prefill steps, then 4 decode steps (the 5th token is the
+    # last step's sample)
+    assert sum(r["tokens"] - r["decodes"] for r in records) == sum(map(len, prompts))
+    assert sum(r["decodes"] for r in records) == 4 * len(prompts)
+    for r in records:
+        assert r["model"] == MODEL and r["pid"] != server.proc.pid  # the engine core's
+        # (a step with no requests only collects the one before it)
+        assert r["reqs"] <= r["tokens"] and r["decodes"] <= r["reqs"]
+        assert 0 <= r["host_ms"] <= r["call_ms"] and r["device_ms"] is None  # CPU: no events
+    assert all(a["t"] < b["t"] for a, b in zip(records, records[1:], strict=False))
+    assert sum(r["reqs"] == 0 for r in records) < len(records) / 2
+    # read back: every step counted once, by kind (no device times on the CPU)
+    from lantau.bench.step_log import read_step_log, summarize_steps
+
+    summary = summarize_steps(read_step_log(path), records[0]["t"], records[-1]["t"])
+    kinds = summary["by_kind"]
+    assert summary["steps"] == len(records) == sum(k["steps"] for k in kinds.values())
+    assert kinds["decode"]["steps"] == sum(r["tokens"] == r["reqs"] > 0 for r in records)
+    assert summary["device_busy_share"] is None and kinds["mixed"]["device_ms"] is None

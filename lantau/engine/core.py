@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -110,6 +111,9 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.num_generated_tokens = 0  # since start, for stats
+        self.num_steps = 0  # overlapped steps launched, since start
+        # called with each overlapped step's record (core_process.StepLog: --step-log)
+        self.on_step: Callable[[dict], None] | None = None
         self.last_batch_size = 0  # requests scheduled by the last step, for stats
         self.last_num_batched_tokens = 0
         self.runner = ModelRunner(self.config, model, num_blocks, self.device)
@@ -124,7 +128,8 @@ class EngineCore:
         paced = paced and self.device.type == "cuda" and self.async_scheduling
         self.pacer = StepPacer() if paced else None
         self.last_arrival_s = float("-inf")  # time.monotonic() of the last add_request
-        self._timed: tuple[StepKey, StepTimer] | None = None  # the step in flight's events
+        # the step in flight's shape, events and number
+        self._timed: tuple[StepKey, StepTimer, int] | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             if config.attention_backend != "triton":
                 raise ValueError("CUDA graphs need attention_backend='triton' (or enforce_eager)")
@@ -217,16 +222,39 @@ class EngineCore:
             done_at, waited = time.monotonic(), self._in_flight[1].sampled.waited
         self.runner.sample(step)
         self._in_flight = (out, step) if step.sample_ids else None
+        self.num_steps += 1
+        timed = None  # (number, device seconds) of the step just collected, where timed
         if self.pacer is not None:
             if self._timed is not None:  # the step just collected
-                self._timed[1].time(self.pacer, self._timed[0])
+                timed = self._timed[2], self._timed[1].time(self.pacer, self._timed[0])
             self._timed = None
             if step.sample_ids:
                 self.pacer.launched(key, launched_at - started)
                 timer.stop()
-                self._timed = (key, timer)
+                self._timed = (key, timer, self.num_steps)
             self.pacer.collected(done_at, waited, key if self._in_flight else None)
+        if self.on_step is not None:
+            self.on_step(self._step_record(out, started, launched_at, waited, timed))
         return outputs
+
+    def _step_record(self, out: SchedulerOutput, started, launched_at, waited, timed) -> dict:
+        """One overlapped step: when it began (time.monotonic()), the host's time to launch
+        it and the whole call's (the wait for the step before included), its batch; and the
+        device time of the step it collected (CUDA events, when paced)."""
+        now = time.monotonic()
+        return {
+            "step": self.num_steps,
+            "t": round(started, 6),
+            "host_ms": round(1e3 * (launched_at - started), 3),
+            "call_ms": round(1e3 * (now - started), 3),
+            "reqs": self.last_batch_size,
+            "tokens": self.last_num_batched_tokens,
+            "decodes": sum(1 for n in out.num_scheduled_tokens.values() if n == 1),
+            "new": len(out.scheduled_new_reqs),
+            "waited": waited,  # the host waited for the step before: the device was busy
+            "timed_step": timed[0] if timed else None,
+            "device_ms": round(1e3 * timed[1], 3) if timed and timed[1] is not None else None,
+        }
 
     def _update(self, out: SchedulerOutput, step: LaunchedStep) -> list[EngineCoreOutput]:
         result = self.runner.collect(step)
@@ -246,7 +274,11 @@ class StepTimer:
     def stop(self) -> None:
         self.end.record()
 
-    def time(self, pacer: StepPacer, key: StepKey) -> None:
-        """The step's device time into the pacer (once collected, its events are done)."""
-        if self.end.query():
-            pacer.timed(key, self.start.elapsed_time(self.end) / 1000)
+    def time(self, pacer: StepPacer, key: StepKey) -> float | None:
+        """The step's device time into the pacer, and returned (once collected, its events
+        are done)."""
+        if not self.end.query():
+            return None
+        seconds = self.start.elapsed_time(self.end) / 1000
+        pacer.timed(key, seconds)
+        return seconds

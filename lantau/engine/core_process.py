@@ -3,6 +3,7 @@ to the frontend over two ZeroMQ sockets (requests in, per-step output diffs out)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -55,6 +56,19 @@ class StepClock:
         self.num_steps += 1
         self.total_s += seconds
         self.last_s = seconds
+
+
+class StepLog:
+    """`lantau serve --step-log FILE`: each step's record (EngineCore._step_record) as one
+    JSON line with the core's model and pid, appended (every core of a repository's versions
+    writes to the one file, a whole line a write)."""
+
+    def __init__(self, path: str, model: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.prefix = {"model": model, "pid": os.getpid()}
+
+    def __call__(self, record: dict) -> None:
+        os.write(self.fd, (json.dumps({**self.prefix, **record}) + "\n").encode())
 
 
 class StepDelay:
@@ -149,6 +163,8 @@ def run_engine_core(
     # objects before they are frozen out of every later walk (gc_pauses.py: one of them
     # stalled every stream ~0.1 s)
     pauses = GcPauses().install()
+    if path := envs.step_log_path():  # the serving steps' records, not the warm-up's
+        core.on_step = StepLog(path, core.config.model)
     frozen = freeze_startup_heap()
     logger.info("froze %d start-up objects out of the garbage collector's walks", frozen)
     core_config = core.config

@@ -1,0 +1,84 @@
+"""`lantau serve --step-log FILE` read back (plain Python): a run's engine steps by kind, with
+the device time each kind took (CUDA events, served on a GPU) and the host's, so that a
+request's time in the engine can be set against what the device spent on it.
+
+A record (engine/core.py's EngineCore._step_record) describes one overlapped step: when the
+host began it (time.monotonic(), one clock for every process of the machine), the host's
+time to launch it and the whole call's, its requests and tokens, and the device time of the
+step it collected (`timed_step`, `device_ms`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MIXED_BUCKET = 64  # tokens: the mixed steps' CUDA-graph buckets
+
+
+def read_step_log(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def step_kind(record: dict) -> str:
+    """ "decode" (one token a request), "mixed" (prompt tokens in it) or "empty" (it only
+    collected the step before it)."""
+    if not record["reqs"]:
+        return "empty"
+    return "decode" if record["tokens"] == record["reqs"] else "mixed"
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 3) if values else None
+
+
+def summarize_steps(records: list[dict], start: float, end: float) -> dict:
+    """The steps that began in [start, end] (time.monotonic()): the device's busy share, and
+    by kind their count, mean requests and tokens, device ms (where timed) and host ms; the
+    mixed steps' device ms by 64-token bucket too."""
+    steps = [r for r in records if start <= r["t"] <= end]
+    device_ms = {
+        (r["pid"], r["timed_step"]): r["device_ms"]
+        for r in records
+        if r.get("device_ms") is not None
+    }
+    out: dict = {"steps": len(steps), "seconds": round(end - start, 3)}
+    busy = [device_ms.get((r["pid"], r["step"])) for r in steps]
+    timed = [ms for ms in busy if ms is not None]
+    out["device_busy_share"] = round(sum(timed) / 1e3 / (end - start), 4) if timed else None
+    by_kind: dict[str, dict] = {}
+    buckets: dict[int, list[float]] = {}
+    for kind in ("decode", "mixed", "empty"):
+        rows = [r for r in steps if step_kind(r) == kind]
+        if not rows:
+            continue
+        ms = [device_ms[(r["pid"], r["step"])] for r in rows if (r["pid"], r["step"]) in device_ms]
+        by_kind[kind] = {
+            "steps": len(rows),
+            "reqs": _mean([r["reqs"] for r in rows]),
+            "tokens": _mean([r["tokens"] for r in rows]),
+            "device_ms": _mean(ms),
+            "host_ms": _mean([r["host_ms"] for r in rows]),
+            "call_ms": _mean([r["call_ms"] for r in rows]),
+        }
+    for r in steps:
+        ms = device_ms.get((r["pid"], r["step"]))
+        if step_kind(r) == "mixed" and ms is not None:
+            buckets.setdefault(-(-r["tokens"] // MIXED_BUCKET) * MIXED_BUCKET, []).append(ms)
+    out["by_kind"] = by_kind
+    out["mixed_device_ms_by_tokens"] = {
+        str(b): {"steps": len(v), "device_ms": _mean(v)} for b, v in sorted(buckets.items())
+    }
+    return out
+
+
+def describe(summary: dict) -> str:
+    """One line: busy share, then each kind's count, batch and times."""
+    parts = [f"{summary['steps']} steps"]
+    if summary["device_busy_share"] is not None:
+        parts.append(f"device busy {100 * summary['device_busy_share']:.1f} %")
+    for kind, k in summary["by_kind"].items():
+        device = f", device {k['device_ms']} ms" if k["device_ms"] is not None else ""
+        parts.append(f"{kind} {k['steps']} x {k['reqs']} reqs / {k['tokens']} tokens{device}, "
+                     f"host {k['host_ms']} ms, call {k['call_ms']} ms")  # fmt: skip
+    return "; ".join(parts)
