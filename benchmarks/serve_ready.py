@@ -25,7 +25,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from gpu_load import drop_page_cache
+from gpu_load import drop_page_cache, tree_env
 from gpu_serve import free_port, launch_until_ready
 
 
@@ -65,8 +65,7 @@ def time_to_ready(tree: Path, model: str | None, serve_args: list[str], timeout_
     port = free_port()
     cmd = [sys.executable, "-m", "lantau.cli", "serve", *([model] if model else [])]
     cmd += ["--port", str(port), *serve_args]
-    path = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONSAFEPATH": "1"}
+    env = tree_env(str(tree))
     log = Path(tempfile.gettempdir()) / f"serve_ready-{os.getpid()}.log"
     try:
         proc, seconds = launch_until_ready(cmd, port, log, env, timeout_s)
