@@ -56,14 +56,20 @@ def test_overload_gets_429_and_the_rest_succeed(make_server):
     wait_idle(server)
 
 
-def test_deadline_aborts(make_server):
+def test_deadline_aborts(make_server, tmp_path, monkeypatch):
+    # 10 ms a step: 480 tokens take ~5 s, so each deadline passes mid-request, the stream's
+    # after its first token however busy the machine (a deadline before the first token is a
+    # plain 504, not a stream)
+    delay = tmp_path / "delay"
+    delay.write_text("0.01")
+    monkeypatch.setenv("LANTAU_TEST_STEP_DELAY_FILE", str(delay))
     server = make_server()
     before = wait_idle(server)["num_generated_tokens"]
     r = httpx.post(f"{server.base}/v1/completions", json=long_body(480, timeout=0.3), timeout=30)
     assert r.status_code == 504 and r.json()["error"]["param"] == "timeout"
     after = wait_idle(server)["num_generated_tokens"]
     assert after - before < 480
-    headers = {"x-request-timeout": "0.3"}
+    headers = {"x-request-timeout": "1.5"}
     body = long_body(480, stream=True)
     with httpx.stream("POST", f"{server.base}/v1/completions", json=body, headers=headers) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
