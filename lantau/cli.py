@@ -402,6 +402,12 @@ def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", "--result-dir", dest="out", default=None, help="the report's folder")
     p.add_argument("--save-result", action="store_true", help="without --out: bench-<time>/")
     p.add_argument("--before", default=None, help="a results.json (or its folder) to compare")
+    p.add_argument(
+        "--step-log",
+        metavar="FILE",
+        help="the server's `lantau serve --step-log` file (a server on this machine): the run's "
+        "engine steps by kind, with their device and host times, in the report",
+    )
 
 
 def bench_online(args: argparse.Namespace) -> int:

@@ -185,3 +185,16 @@ def test_step_log_records_every_serving_step(make_server, tmp_path):
     assert summary["steps"] == len(records) == sum(k["steps"] for k in kinds.values())
     assert kinds["decode"]["steps"] == sum(r["tokens"] == r["reqs"] > 0 for r in records)
     assert summary["device_busy_share"] is None and kinds["mixed"]["device_ms"] is None
+    # `lantau bench serve --step-log`: the run's own steps, in its results and report
+    from lantau.bench.report import write_report
+    from lantau.bench.serve import ServeConfig, run_serve
+
+    config = ServeConfig(base_url=server.base, workload="random:16/4", num_requests=4,
+                         vocab_size=1000, step_log=str(path), show_progress=False,
+                         is_probed=False, gpu_indices=())  # fmt: skip
+    result = run_serve(config)
+    steps = result.engine_steps
+    assert result.summary.num_completed == 4 and steps["steps"] >= 4  # a step a token at least
+    assert steps["by_kind"]["mixed"]["tokens"] >= 16 and steps["by_kind"]["decode"]["steps"] >= 3
+    write_report(result.to_dict(), tmp_path / "report")
+    assert "## Engine steps (means)" in (tmp_path / "report" / "report.md").read_text()

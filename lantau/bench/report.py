@@ -154,6 +154,23 @@ def _breakdown_blocks(run: dict) -> list[Block]:
     return [("h2", "Where the time went (means)"), ("table", ["stage", "ms"], rows), ("p", note)]
 
 
+def _steps_blocks(run: dict) -> list[Block]:
+    steps = run.get("engine_steps")
+    if not steps:
+        return []
+    rows = [[kind, str(k["steps"]), _fmt(k["reqs"], 1), _fmt(k["tokens"], 1),
+             _fmt(k["device_ms"], 2), _fmt(k["host_ms"], 2), _fmt(k["call_ms"], 2)]
+            for kind, k in steps["by_kind"].items()]  # fmt: skip
+    busy = steps["device_busy_share"]
+    note = (f"{steps['steps']} steps in {steps['seconds']:.1f} s (the server's step log); "
+            "device: CUDA events from where the step's stream reached it; host: its launch; "
+            "call: the whole step, the wait for the step before it included")  # fmt: skip
+    if busy is not None:
+        note += f"; the device busy {100 * busy:.1f} % of the run"
+    header = ["kind", "steps", "requests", "tokens", "device ms", "host ms", "call ms"]
+    return [("h2", "Engine steps (means)"), ("table", header, rows), ("p", note)]
+
+
 def _metrics_blocks(run: dict) -> list[Block]:
     m = run["server_metrics"]
     blocks: list[Block] = [("h2", "Server /metrics"), ("p", f"{m['status']}, "
@@ -198,7 +215,7 @@ def serve_blocks(result: dict) -> list[Block]:
     ]
     if s["errors"]:
         blocks.append(("table", ["error", "count"], [[k, str(n)] for k, n in s["errors"].items()]))
-    return blocks + _breakdown_blocks(result) + _metrics_blocks(result)
+    return blocks + _breakdown_blocks(result) + _steps_blocks(result) + _metrics_blocks(result)
 
 
 def sweep_blocks(result: dict) -> list[Block]:

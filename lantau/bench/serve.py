@@ -12,6 +12,7 @@ import datetime
 import itertools
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -58,6 +59,8 @@ class ServeConfig:
     gpu_indices: tuple[int, ...] = (0,)  # NVML devices of this machine to sample
     is_probed: bool = True  # one short request first: a wrong URL or model fails at once
     show_progress: bool = True
+    # the server's `--step-log` file (a server on this machine): the run's engine steps
+    step_log: str | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -75,6 +78,8 @@ class ServeResult:
     # what the server says of itself before the run (lantau's /status: its engine's KV
     # cache, tensor-parallel size, start-up); None from a server without one
     server_status: dict | None = None
+    # the run's engine steps by kind, from the server's step log (config.step_log)
+    engine_steps: dict | None = None
 
     def to_dict(self) -> dict:
         summary = asdict(self.summary)
@@ -93,6 +98,7 @@ class ServeResult:
             "server_metrics": self.server_metrics,
             "server_status": self.server_status,
             "time_breakdown": time_breakdown(self.summary, self.server_metrics.get("series", {})),
+            "engine_steps": self.engine_steps,
             "records": [{**asdict(r), "tpot_s": r.tpot_s} for r in self.records],
         }
         return jsonable(out)
@@ -422,12 +428,13 @@ async def run_serve_async(
             # the figures before any request: one that ended before a first scrape running
             # beside the requests would fall out of the run's rise
             await metrics.sample(session, time.perf_counter())
-            origin = time.perf_counter()
+            origin, window = time.perf_counter(), time.monotonic()  # the step log's clock
             sampling = asyncio.create_task(metrics.run(session, origin))
             records = await _run_requests(
                 session, base + endpoint, headers, requests, payloads, config, origin, progress
             )
             duration = time.perf_counter() - origin
+            window_end = time.monotonic()
             sampling.cancel()
             await asyncio.gather(sampling, return_exceptions=True)
             await metrics.sample(session, origin)  # every request ended: the run's last figures
@@ -440,7 +447,17 @@ async def run_serve_async(
         server_metrics=metrics.summary(),
         started_at=started_at,
         server_status=status,
+        engine_steps=_engine_steps(config.step_log, window, window_end),
     )
+
+
+def _engine_steps(path: str | None, start: float, end: float) -> dict | None:
+    """The run's steps in the server's step log; None without one (or none written yet)."""
+    if not path or not os.path.exists(path):
+        return None
+    from lantau.bench.step_log import read_step_log, summarize_steps
+
+    return summarize_steps(read_step_log(path), start, end)
 
 
 def doubling_rates(start: float, stop: float) -> list[float]:
@@ -511,6 +528,7 @@ def config_from_args(args) -> ServeConfig:
         gpu_indices=tuple(int(i) for i in args.gpu_index.split(",") if i),
         is_probed=args.probe,
         show_progress=args.progress,
+        step_log=args.step_log,
     )
 
 
