@@ -371,3 +371,22 @@ def test_steps_of_prefill_chunks_only_compute_no_logits(tiny_llama_dir, monkeypa
     out = llm.generate([{"prompt_token_ids": list(range(3, 60))}], params)  # 4 chunks of 16
     assert len(out[0].outputs[0].token_ids) == 3
     assert rows and min(rows) >= 1, rows
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlapped", "one-at-a-time"])
+def test_on_step_records_every_step(tiny_llama_dir, async_scheduling):
+    """EngineCore.on_step (`--step-log`): a record a step, overlapped or not, numbered from 1;
+    the prompts' tokens and the decodes across them are exactly the requests'."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, num_kv_blocks=32,
+              async_scheduling=async_scheduling, long_prefill_token_threshold=4)  # fmt: skip
+    records: list[dict] = []
+    llm.engine.core.on_step = records.append
+    prompts = [{"prompt_token_ids": [5, 17, 300, 9, 8, 2]}, {"prompt_token_ids": [1, 2, 3]}]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    assert sum(r["new"] for r in records) == 2
+    assert sum(r["tokens"] - r["decodes"] for r in records) == 9  # 6 in two chunks of 3, and 3
+    assert sum(r["decodes"] for r in records) == 2 * 4  # the 5th token: the last step's sample
+    assert max(r["tokens"] - r["decodes"] for r in records) <= 3 + 3  # chunks of at most 4
+    assert all(r["device_ms"] is None and 0 <= r["host_ms"] <= r["call_ms"] for r in records)

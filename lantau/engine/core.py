@@ -111,8 +111,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.num_generated_tokens = 0  # since start, for stats
-        self.num_steps = 0  # overlapped steps launched, since start
-        # called with each overlapped step's record (core_process.StepLog: --step-log)
+        self.num_steps = 0  # steps launched, since start
+        # called with each step's record (core_process.StepLog: --step-log)
         self.on_step: Callable[[dict], None] | None = None
         self.last_batch_size = 0  # requests scheduled by the last step, for stats
         self.last_num_batched_tokens = 0
@@ -210,11 +210,15 @@ class EngineCore:
         self.last_num_batched_tokens = out.total_num_scheduled_tokens
         timer = StepTimer() if self.pacer is not None else None
         step = self.runner.launch(out)
-        if not self.async_scheduling:
-            self.runner.sample(step)
-            return self._update(out, step)
-        key = step_key(self.last_batch_size, self.last_num_batched_tokens)
         launched_at = time.monotonic()
+        if not self.async_scheduling:  # one step at a time: its own outputs
+            self.runner.sample(step)
+            outputs = self._update(out, step)
+            self.num_steps += 1
+            if self.on_step is not None:
+                self.on_step(self._step_record(out, started, launched_at, True, None))
+            return outputs
+        key = step_key(self.last_batch_size, self.last_num_batched_tokens)
         outputs, self._collected_early = self._collected_early, []
         done_at, waited = launched_at, True  # nothing in flight: this step starts at once
         if self._in_flight is not None:
@@ -238,9 +242,9 @@ class EngineCore:
         return outputs
 
     def _step_record(self, out: SchedulerOutput, started, launched_at, waited, timed) -> dict:
-        """One overlapped step: when it began (time.monotonic()), the host's time to launch
-        it and the whole call's (the wait for the step before included), its batch; and the
-        device time of the step it collected (CUDA events, when paced)."""
+        """One step: when it began (time.monotonic()), the host's time to launch it and the
+        whole call's (with overlapped steps, the wait for the step before included), its
+        batch; and the device time of the step it collected (CUDA events, when paced)."""
         now = time.monotonic()
         return {
             "step": self.num_steps,
