@@ -40,7 +40,7 @@ import urllib.request
 from pathlib import Path
 
 from lantau.bench.serve import ServeConfig, run_serve
-from lantau.bench.step_log import describe, read_step_log, summarize_steps
+from lantau.bench.step_log import describe
 
 
 def free_port() -> int:
@@ -81,8 +81,11 @@ def start_server(model: str, port: int, extra: list[str], log_path: Path):
     return launch_until_ready(cmd, port, log_path)
 
 
-def serve_runs(base: str, specs: list[str], full: dict | None = None) -> list[dict]:
-    """Each run's result, its records left out (`full`: where they go, by spec)."""
+def serve_runs(
+    base: str, specs: list[str], full: dict | None = None, step_log: str | None = None
+) -> list[dict]:
+    """Each run's result, its records left out (`full`: where they go, by spec); `step_log`:
+    the server's step log, each run's engine steps read from it (its engine_steps)."""
     rows = []
     for spec in specs:
         parts, concurrency = spec.split(":"), []
@@ -97,10 +100,9 @@ def serve_runs(base: str, specs: list[str], full: dict | None = None) -> list[di
             concurrency=int(concurrency[0]) if concurrency else None,
             seed=len(rows),  # no prefix of an earlier run is in cache
             show_progress=False,
+            step_log=step_log,
         )
-        window = time.monotonic()
         result = run_serve(config).to_dict()
-        result["window"] = [window, time.monotonic()]  # time.monotonic(): the step log's clock
         if full is not None:
             full[spec] = dict(result)
         result.pop("records")
@@ -114,6 +116,8 @@ def serve_runs(base: str, specs: list[str], full: dict | None = None) -> list[di
             f"errors {s['num_errors']}, GPU util {result['gpu_util_mean']}",
             flush=True,
         )
+        if result["engine_steps"]:
+            print(f"{spec} steps: {describe(result['engine_steps'])}", flush=True)
     return rows
 
 
@@ -241,14 +245,15 @@ def main() -> None:
         hf = hf_runs(args.model, args.hf_runs.split(","), args.hf_max_batch, out, before_full)
     port = free_port()
     server_args = args.server_args.split()
-    if args.step_log:
-        (out / "steps.jsonl").unlink(missing_ok=True)
-        server_args += ["--step-log", str(out / "steps.jsonl")]
+    step_log = str(out / "steps.jsonl") if args.step_log else None
+    if step_log:
+        Path(step_log).unlink(missing_ok=True)
+        server_args += ["--step-log", step_log]
     proc, ready_s = start_server(args.model, port, server_args, out / "server.log")
     print(f"server ready in {ready_s:.1f} s", flush=True)
     profiler = start_core_profile(proc, args.profile_core, out) if args.profile_core else None
     try:
-        served = serve_runs(f"http://127.0.0.1:{port}", args.runs.split(","), after_full)
+        served = serve_runs(f"http://127.0.0.1:{port}", args.runs.split(","), after_full, step_log)
         if profiler is not None:
             profiler.wait(timeout=args.profile_core + 60)
             summary = summarize_core_profile(out / "core_profile.txt")
@@ -257,11 +262,6 @@ def main() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
-    if args.step_log:  # each run's engine steps: kinds, device and host times
-        records = read_step_log(out / "steps.jsonl")
-        for row in served:
-            row["steps"] = summarize_steps(records, *row["window"])
-            print(f"{row['spec']} steps: {describe(row['steps'])}", flush=True)
     offline = offline_runs(args.model, args.offline.split(","), out) if args.offline else []
     result = {"ready_s": ready_s, "served": served, "offline": offline, "hf": hf}
     (out / "gpu_serve.json").write_text(json.dumps(result, indent=1))
