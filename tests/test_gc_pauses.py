@@ -30,7 +30,8 @@ class Node:
 def test_freeze_takes_the_heap_out_of_full_collections(thawed):
     tracked = len(gc.get_objects())
     frozen = freeze_startup_heap()
-    assert frozen >= tracked // 2 and gc.get_freeze_count() == frozen
+    # frozen objects can still die by reference count (another thread's), never be added
+    assert frozen >= tracked // 2 and frozen - 1_000 <= gc.get_freeze_count() <= frozen
     # a full collection now walks only what was made since: none of the frozen objects
     assert len(gc.get_objects()) < tracked // 10
 
@@ -89,7 +90,7 @@ def test_frozen_while_busy_thaws_when_idle_and_leaves_a_freeze_not_its_own(thawe
     frozen = freeze_startup_heap()
     held.track(busy=True)
     held.track(busy=False)
-    assert gc.get_freeze_count() == frozen
+    assert not held.frozen and frozen - 1_000 <= gc.get_freeze_count() <= frozen
 
 
 def test_offline_engine_freezes_its_heap_only_while_it_has_requests(thawed):
