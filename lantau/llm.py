@@ -52,8 +52,8 @@ class LLM:
         if len(params) != len(prompts):
             raise InvalidRequestError("sampling_params", "must be one or one per prompt")
         priority = list(priority) if priority is not None else [0] * len(prompts)
-        for prompt in prompts:  # validate all first: a bad prompt queues nothing
-            self.engine.core.validate(self.engine.tokenize(prompt)[1])
+        for prompt, p in zip(prompts, params, strict=True):  # all first: a bad one queues nothing
+            self.engine.core.validate(self.engine.tokenize(prompt)[1], p)
         request_ids = [str(next(self._ids)) for _ in prompts]
         for request_id, prompt, p, prio in zip(request_ids, prompts, params, priority, strict=True):
             self.engine.add_request(request_id, prompt, p, prio)

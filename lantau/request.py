@@ -12,6 +12,7 @@ from lantau.errors import InvalidRequestError
 # integers cross to the engine core as msgpack: at most 64 bits
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 UINT64_MAX = 2**64 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit bias
 
 
 class FinishReason(enum.StrEnum):
@@ -58,6 +59,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the chosen token's and the top-k's
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (benchmarks), no text or stop strings
+    # added to the token's logit before sampling (OpenAI's: -100 bans a token, 100 forces it)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +70,9 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError("logit_bias", "must be a map of token ids to numbers")
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias or {}) or None)
         self._validate()
 
     def _validate(self) -> None:
@@ -108,7 +114,35 @@ class SamplingParams:
                 all(_is_int(t, 0) for t in self.stop_token_ids),
                 "must be non-negative integers",
             ),
+            (
+                "logit_bias",
+                all(
+                    _is_int(t, 0) and _is_number(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+                    for t, b in (self.logit_bias or {}).items()
+                ),
+                f"must map token ids (integers >= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}]",
+            ),
         ]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """InvalidRequestError if a logit bias names a token the model does not have."""
+        if self.logit_bias and max(self.logit_bias) >= vocab_size:
+            raise InvalidRequestError(
+                "logit_bias",
+                f"token {max(self.logit_bias)} is not in the vocabulary [0, {vocab_size})",
+            )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Its logits change before sampling (penalties, logit bias): no pick of the raw
+        logits (a CUDA graph's greedy ids) stands for its token."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.logit_bias is not None
+        )
 
     @property
     def is_greedy(self) -> bool:

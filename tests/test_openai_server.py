@@ -170,6 +170,46 @@ def test_stop_string_and_params(client, offline):
     ]
 
 
+def test_logit_bias_forces_and_bans_tokens(client, server, offline):
+    """logit_bias as the openai client sends it (token ids as strings): +100 forces a token,
+    -100 bans greedy's choice; the same tokens as the offline engine given the same bias."""
+    prompt = "The weather today"
+    free = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    for bias in ({"42": 100}, {str(free.token_ids[0]): -100, "7": -100}):
+        ref = offline.generate(
+            prompt,
+            SamplingParams(
+                temperature=0, max_tokens=6, logit_bias={int(t): b for t, b in bias.items()}
+            ),
+        )[0].outputs[0]
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logit_bias=bias
+        )
+        assert out.choices[0].text == ref.text
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=6,
+            temperature=0.8, seed=3, logit_bias=bias,
+        )  # fmt: skip
+        assert chat.usage.completion_tokens == 6
+    forced = offline.generate(prompt, SamplingParams(max_tokens=6, logit_bias={42: 100}))[0]
+    assert forced.outputs[0].token_ids == [42] * 6  # sampled at temperature 1, still forced
+    banned = ref.token_ids
+    assert banned[0] != free.token_ids[0] and 7 not in banned
+    headers = {"x-api-key": API_KEY}
+    for bias, words in (
+        ({"49152000": 1}, "not in the vocabulary"),
+        ({"x": 1}, "expected an integer"),
+        ({"5": 101}, "must map token ids"),
+        ({"5": "high"}, "expected a number"),
+    ):
+        r = httpx.post(
+            f"{server}/v1/completions", json={"prompt": prompt, "logit_bias": bias}, headers=headers
+        )
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (bias, r.text)
+        assert r.json()["error"]["param"].startswith("logit_bias")
+    wait_idle(server)
+
+
 def test_async_client_concurrent_streams(server, offline):
     async def one(aclient, i):
         stream = await aclient.completions.create(
@@ -247,6 +287,7 @@ FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "min_p", "n", "stop", "seed", "stream", "logprobs", "top_logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "timeout", "priority",
+    "logit_bias",
 ]  # fmt: skip
 
 

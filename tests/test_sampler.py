@@ -1,4 +1,5 @@
-"""Sampler: greedy, seeded reproducibility, sampled distributions, penalties, logprobs."""
+"""Sampler: greedy, seeded reproducibility, sampled distributions, penalties, logit bias,
+logprobs."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from lantau.errors import InvalidRequestError
 from lantau.request import SamplingParams
-from lantau.sampling import Sampler, SamplingRow, apply_penalties
+from lantau.sampling import Sampler, SamplingRow, apply_penalties, process_logits
 
 
 def make_row(
@@ -302,6 +304,68 @@ def test_no_penalties_is_a_no_op() -> None:
     logits = torch.randn(3, 10, generator=seeded(4))
     rows = [make_row(prompt=[1, 2], output=[3, 3]) for _ in range(3)]
     assert torch.equal(apply_penalties(logits, rows), logits)
+
+
+# --- logit bias ---------------------------------------------------------------------------
+
+
+def test_logit_bias_adds_to_each_rows_own_tokens_after_penalties() -> None:
+    logits = torch.tensor(PENALTY_LOGITS)
+    before = logits.clone()
+    rows = penalty_rows()
+    biases = [{3: -100.0}, None, {0: -2.5, 5: 1.0}, {}, {4: 100, 1: 0.25}]
+    biased = [
+        make_row(None, r.prompt_token_ids, r.output_token_ids, **{**vars_of(r), "logit_bias": b})
+        for r, b in zip(rows, biases, strict=True)
+    ]
+    expected = apply_penalties(logits, rows)
+    for i, bias in enumerate(biases):
+        for token, value in (bias or {}).items():
+            expected[i, token] += value
+    torch.testing.assert_close(process_logits(logits, biased), expected)
+    assert torch.equal(logits, before)  # the raw logits (logprobs') are not modified
+    # rows 0 and 2 move off their penalized argmax (3 -> 0, 0 -> 5); row 4 is forced to 4
+    assert Sampler()(logits, rows).token_ids == [3, 2, 0, 0, 5]
+    assert Sampler()(logits, biased).token_ids == [0, 2, 5, 0, 4]
+
+
+def vars_of(row: SamplingRow) -> dict:
+    p = row.params
+    return dict(
+        temperature=p.temperature, repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+    )  # fmt: skip
+
+
+def test_logit_bias_forces_and_bans_tokens_in_a_sampled_batch() -> None:
+    """+100 makes a token certain and -100 impossible whatever the temperature; the greedy
+    pick made already (a CUDA graph's) is not taken for a biased batch."""
+    logits = torch.randn(6, 50, generator=seeded(7))
+    top = logits.argmax(dim=-1)
+    rows = [
+        make_row(seeded(1), temperature=1.5, logit_bias={17: 100.0}),
+        make_row(seeded(2), temperature=0.0, logit_bias={int(top[1]): -100.0}),
+        make_row(seeded(3), temperature=1.0, top_k=1, logit_bias={int(top[2]): -100}),
+        make_row(seeded(4), temperature=0.0),
+        make_row(seeded(5), temperature=2.0, logit_bias={t: -100.0 for t in range(1, 50)}),
+        make_row(seeded(6), temperature=0.0, logit_bias={9: 100.0}),
+    ]
+    out = Sampler().sample(logits, rows, greedy_ids=top).resolve()
+    second = logits.topk(2).indices[:, 1].tolist()
+    assert out.token_ids == [17, second[1], second[2], int(top[3]), 0, 9]
+    greedy = [make_row(temperature=0.0, logit_bias={3: 100.0})] * 6
+    assert Sampler().sample(logits, greedy, greedy_ids=top).resolve().token_ids == [3] * 6
+
+
+def test_logit_bias_is_validated() -> None:
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(logit_bias={5: 1}).processes_logits
+    for bad in ({5: 101.0}, {-1: 1.0}, {5: float("nan")}, {"5": 1.0}, {True: 1.0}, [(5, 1.0)]):
+        with pytest.raises(InvalidRequestError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    SamplingParams(logit_bias={99: -100}).check_vocab(100)
+    with pytest.raises(InvalidRequestError, match=r"token 100 is not in the vocabulary \[0, 100\)"):
+        SamplingParams(logit_bias={100: -100, 3: 1}).check_vocab(100)
 
 
 # --- logprobs -----------------------------------------------------------------------------

@@ -299,6 +299,7 @@ class AsyncLLM:
                 "n", f"{params.n} exceeds the server's {self.max_pending_requests} sequences"
             )
         text, ids = await self.tokenize_async(prompt)
+        params.check_vocab(self.config.model_config.vocab_size)
         num_tokens = len(ids) * params.n
         if (
             self.num_pending_seqs + params.n > self.max_pending_requests

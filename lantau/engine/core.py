@@ -34,7 +34,7 @@ from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
 from lantau.model.loader import ModelSource, build_model, load_in_background
 from lantau.model.parallel import SINGLE, TensorParallel, init_tensor_parallel
-from lantau.request import FinishReason, Request, validate_prompt
+from lantau.request import FinishReason, Request, SamplingParams, validate_prompt
 from lantau.runner.model_runner import LaunchedStep, ModelRunner
 from lantau.scheduler.output import EngineCoreOutput, SchedulerOutput
 from lantau.scheduler.scheduler import Scheduler
@@ -151,16 +151,15 @@ class EngineCore:
             self.startup_s["weights"] = pending.seconds  # beside the two stages before
             self.startup_s["weights_wait"] = time.perf_counter() - clock
 
-    def validate(self, prompt_token_ids: list[int]) -> None:
-        validate_prompt(
-            prompt_token_ids,
-            self.config.scheduler.max_model_len,
-            self.config.model_config.vocab_size,
-        )
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        vocab_size = self.config.model_config.vocab_size
+        validate_prompt(prompt_token_ids, self.config.scheduler.max_model_len, vocab_size)
+        if params is not None:
+            params.check_vocab(vocab_size)
 
     def add_request(self, request: Request) -> None:
         self.last_arrival_s = time.monotonic()
-        self.validate(request.prompt_token_ids)
+        self.validate(request.prompt_token_ids, request.sampling_params)
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         request.max_model_len = self.config.scheduler.max_model_len

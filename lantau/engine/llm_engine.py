@@ -190,7 +190,7 @@ class LLMEngine:
     ) -> None:
         """Validate, then queue `params.n` sequences; nothing is queued if anything is wrong."""
         text, ids = self.processor.tokenize(prompt)
-        self.core.validate(ids)
+        self.core.validate(ids, params)
         for child in self.processor.add_request(request_id, text, ids, params, priority):
             self.core.add_request(child)
 

@@ -1,4 +1,5 @@
-"""Batched token sampling on torch: penalties, greedy, temperature, filters, logprobs."""
+"""Batched token sampling on torch: penalties, logit bias, greedy, temperature, filters,
+logprobs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from lantau.sampling.sampler import (
     SamplingRow,
     apply_penalties,
     compute_logprobs,
+    process_logits,
 )
 
 __all__ = [
@@ -18,4 +20,5 @@ __all__ = [
     "SamplingRow",
     "apply_penalties",
     "compute_logprobs",
+    "process_logits",
 ]

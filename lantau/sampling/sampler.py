@@ -1,4 +1,4 @@
-"""Batched token sampling: penalties, greedy, temperature, min-p/top-k/top-p, logprobs.
+"""Batched token sampling: penalties, logit bias, greedy, temperature, min-p/top-k/top-p, logprobs.
 
 vLLM's semantics. Every step is vectorized over the rows of one [num_rows, vocab_size] logits
 tensor; per-row parameters travel as small [num_rows] tensors through pinned memory. Nothing
@@ -28,7 +28,9 @@ __all__ = [
     "PendingSample",
     "SamplingRow",
     "apply_min_p",
+    "apply_logit_bias",
     "apply_penalties",
+    "process_logits",
     "uses_penalties",
     "apply_top_k_top_p",
     "compute_logprobs",
@@ -157,6 +159,26 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's logit_bias added to its logits (a new tensor; `logits` as it is when no
+    row has one)."""
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return logits
+    row_ids = [i for i, bias in biased for _ in bias]
+    token_ids = [t for _, bias in biased for t in bias]
+    values = [b for _, bias in biased for b in bias.values()]
+    device = logits.device
+    index = (to_device(row_ids, device, torch.int64), to_device(token_ids, device, torch.int64))
+    return logits.index_put(index, to_device(values, device, logits.dtype), accumulate=True)
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits each row samples from: penalties, then logit bias; float32, the input is
+    not modified (logprobs are the raw logits')."""
+    return apply_logit_bias(apply_penalties(logits, rows), rows)
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask tokens whose prob is below min_p × the row's top prob; min_p: [num_rows]."""
     # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p): no softmax needed, and
@@ -195,7 +217,7 @@ def logprob_tensors(
     raw_logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor
 ) -> tuple[torch.Tensor, ...] | None:
     """Device half of the logprobs: for the rows asking for them, (chosen token, its logprob,
-    its rank, top-n logprobs, top-n ids) under the raw (unpenalized) logits. None if no row
+    its rank, top-n logprobs, top-n ids) under the raw (unprocessed) logits. None if no row
     asks. raw_logits: [num_rows, vocab_size]; token_ids: [num_rows] int64 on the same device.
     """
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -307,21 +329,21 @@ class Sampler:
         device = logits.device
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if not sampled and not any(uses_penalties(r.params) for r in rows):
+        if not sampled and not any(r.params.processes_logits for r in rows):
             # argmax of the logits as they are: a float32 copy orders (and ties) the same
             token_ids = self._argmax(logits) if greedy_ids is None else greedy_ids
             return self._pending(logits, rows, token_ids)
-        penalized = apply_penalties(logits, rows)  # [num_rows, vocab_size] float32
+        processed = process_logits(logits, rows)  # [num_rows, vocab_size] float32
         if not sampled:
-            token_ids = self._argmax(penalized)  # [num_rows]
+            token_ids = self._argmax(processed)  # [num_rows]
         elif not greedy:
-            token_ids = self._sample(penalized, rows)
+            token_ids = self._sample(processed, rows)
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
             g_idx = to_device(greedy, device, torch.int64)
-            token_ids[g_idx] = penalized[g_idx].argmax(dim=-1)
+            token_ids[g_idx] = processed[g_idx].argmax(dim=-1)
             s_idx = to_device(sampled, device, torch.int64)
-            token_ids[s_idx] = self._sample(penalized[s_idx], [rows[i] for i in sampled])
+            token_ids[s_idx] = self._sample(processed[s_idx], [rows[i] for i in sampled])
         return self._pending(logits, rows, token_ids)
 
     def _pending(self, logits: torch.Tensor, rows: list[SamplingRow], token_ids) -> PendingSample:

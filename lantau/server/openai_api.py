@@ -86,8 +86,8 @@ def _first(*values: Any) -> Any:
 
 
 def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParams:
-    """OpenAI fields (plus vLLM's extras: top_k, min_p, repetition_penalty, ignore_eos);
-    InvalidRequestError names a field out of range."""
+    """OpenAI fields, logit_bias too (plus vLLM's extras: top_k, min_p, repetition_penalty,
+    ignore_eos); InvalidRequestError names a field out of range."""
     if isinstance(body, ChatRequest):
         # NOTE: max_completion_tokens replaces max_tokens; 0 is refused by the schema
         max_tokens = _first(body.max_completion_tokens, body.max_tokens, 512)
@@ -110,6 +110,7 @@ def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParam
         stop_token_ids=_first(body.stop_token_ids, ()),
         ignore_eos=_first(body.ignore_eos, False),
         logprobs=logprobs,
+        logit_bias=body.logit_bias,
     )
 
 

@@ -79,6 +79,9 @@ class OpenAIRequest(Struct):
     stream_options: StreamOptions | None = None
     priority: Int64 | None = None
     timeout: Seconds | None = None
+    # token id (a JSON object's keys are strings: "50256") -> bias; the range is checked by
+    # SamplingParams, the vocabulary by the engine
+    logit_bias: dict[TokenId, float] | None = None
 
 
 class CompletionRequest(OpenAIRequest):
@@ -154,7 +157,9 @@ def convert(value: Any, kind: type[T], field: str) -> T:
         raise invalid_from(e, field) from None
 
 
-_LOCATED = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_LOCATED = re.compile(
+    r"^(?P<message>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.DOTALL
+)
 _FIELD = re.compile(r"^Object (?:missing required|contains unknown) field `(?P<name>[^`]*)`$")
 _TYPES = re.compile(r"`([^`]*)`")
 JSON_TYPES = {
@@ -175,7 +180,7 @@ def invalid_from(e: msgspec.ValidationError, prefix: str = "") -> InvalidRequest
     match = _LOCATED.match(str(e))
     assert match is not None  # the pattern matches any text
     path = prefix + (match["path"] or "")
-    message = match["message"]
+    message = match["message"] + (" (in a key)" if match["key"] else "")
     if named := _FIELD.match(message):  # the message names a field inside `path`
         path = f"{path}.{named['name']}"
         message = "required" if "missing" in message else "unknown field"
