@@ -210,6 +210,137 @@ def test_logit_bias_forces_and_bans_tokens(client, server, offline):
     wait_idle(server)
 
 
+def streamed_choices(stream) -> tuple[dict[int, str], dict[int, list[str]]]:
+    """A completions stream's text by choice, and each choice's finish reasons as sent."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, list[str]] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                reasons.setdefault(c.index, []).append(c.finish_reason)
+    return texts, reasons
+
+
+def test_batch_of_prompts_and_echo(client, server, offline):
+    """A batch of prompts (strings or token ids) with n samples each: choice p * n + i is
+    prompt p's sample i, as the offline engine makes it, streamed or not; usage over the
+    batch; `echo` puts each prompt's text before its choices'."""
+    prompts = ["The weather today", "Once upon a time", "Numbers: 1, 2,"]
+    params = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=6)
+    refs = offline.generate(prompts, params)
+    expected = [o.text for r in refs for o in r.outputs]
+    out = client.completions.create(
+        model=MODEL, prompt=prompts, n=2, temperature=0.9, seed=11, max_tokens=6
+    )
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == expected
+    assert out.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
+    assert out.usage.completion_tokens == sum(len(o.token_ids) for r in refs for o in r.outputs)
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts, n=2, temperature=0.9, seed=11, max_tokens=6, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    texts, reasons = streamed_choices(stream)
+    assert [texts[i] for i in range(6)] == expected
+    assert all(reasons[i] == ["length"] for i in range(6))
+    ids = [r.prompt_token_ids for r in refs[:2]]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    greedy = offline.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=6))
+    assert [c.text for c in by_ids.choices] == [r.outputs[0].text for r in greedy]
+    echoed = client.completions.create(
+        model=MODEL, prompt=prompts[:2], max_tokens=6, temperature=0, echo=True
+    )
+    assert [c.text for c in echoed.choices] == [
+        p + r.outputs[0].text for p, r in zip(prompts[:2], greedy, strict=True)
+    ]
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts[0], max_tokens=6, temperature=0, echo=True, stream=True
+    )
+    assert streamed_choices(stream)[0] == {0: prompts[0] + greedy[0].outputs[0].text}
+    # a prompt of the batch refused: the whole request is, and nothing stays running
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=MODEL, prompt=["fine", "word " * 600], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        client.completions.create(model=MODEL, prompt=["text", [1, 2]], max_tokens=4)
+    wait_idle(server)
+
+
+def test_n_samples_ending_apart_send_one_finish_reason_each(client, server):
+    """A sample that stops early stays in its request's outputs while the others run: its
+    finish_reason is sent once, not again with every later chunk."""
+    stream = client.completions.create(
+        model=MODEL, prompt="Tell me", n=4, temperature=1.0, seed=2, max_tokens=40, stop=["e"],
+        stream=True,
+    )  # fmt: skip
+    texts, reasons = streamed_choices(stream)
+    assert sorted(reasons) == [0, 1, 2, 3] and all(len(r) == 1 for r in reasons.values())
+    assert len({len(t) for t in texts.values()}) > 1  # they did end apart
+    wait_idle(server)
+
+
+@pytest.mark.parametrize(
+    "route, extra, field",
+    [
+        ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        ("chat", dict(tool_choice="required"), "tool_choice"),
+        ("chat", dict(functions=[{"name": "f"}]), "functions"),
+        ("chat", dict(response_format={"type": "json_object"}), "response_format"),
+        ("chat", dict(modalities=["text", "audio"]), "modalities"),
+        ("chat", dict(audio={"voice": "alloy", "format": "wav"}), "audio"),
+        (
+            "chat",
+            dict(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,AAAA"},
+                            },
+                        ],
+                    }
+                ]
+            ),
+            "messages[0].content[1].type",
+        ),  # fmt: skip
+        ("completions", dict(suffix="the end"), "suffix"),
+        ("completions", dict(best_of=3), "best_of"),
+        ("completions", dict(echo=True, logprobs=1), "echo"),
+        (
+            "completions",
+            dict(extra_body={"response_format": {"type": "json_schema"}}),
+            "response_format",
+        ),
+    ],
+)
+def test_features_not_served_are_refused_by_name(client, server, route, extra, field):
+    """What this server does not do is a 400 naming the field, never an answer that
+    quietly ignored it."""
+    if route == "chat":
+        args = dict(messages=[{"role": "user", "content": "Hi"}]) | extra
+        call = client.chat.completions.create
+    else:
+        args = dict(prompt="Hi", extra_body={}) | extra
+        call = client.completions.create
+    with pytest.raises(openai.BadRequestError) as e:
+        call(model=MODEL, max_tokens=3, **args)
+    assert e.value.body["param"] == field, e.value.body
+
+
+def test_features_asked_off_are_accepted(client):
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        max_tokens=3, tools=[], tool_choice="none", response_format={"type": "text"},
+        modalities=["text"],
+    )  # fmt: skip
+    assert chat.usage.completion_tokens == 3
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, best_of=1, suffix="")
+    assert out.usage.completion_tokens == 3
+
+
 def test_async_client_concurrent_streams(server, offline):
     async def one(aclient, i):
         stream = await aclient.completions.create(
@@ -287,7 +418,7 @@ FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "min_p", "n", "stop", "seed", "stream", "logprobs", "top_logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "timeout", "priority",
-    "logit_bias",
+    "logit_bias", "echo", "suffix", "best_of", "tools", "tool_choice", "response_format",
 ]  # fmt: skip
 
 

@@ -77,7 +77,38 @@ def parse_request(
         raise InvalidRequestError(
             name, f"must be <= {limits.max_logprobs} on this server (--max-logprobs)"
         )
+    refuse_unsupported(body)
     return body
+
+
+def refuse_unsupported(body: ChatRequest | CompletionRequest) -> None:
+    """InvalidRequestError for an OpenAI feature this server does not do, asked for: an
+    answer that ignored it (plain text where JSON or a tool call was asked) would look right
+    and be wrong."""
+    if body.response_format is not None and body.response_format.type != "text":
+        raise InvalidRequestError(
+            "response_format",
+            f"type {body.response_format.type!r} is not supported (no guided decoding): "
+            "only 'text'",
+        )
+    if isinstance(body, CompletionRequest):
+        if body.suffix:
+            raise InvalidRequestError("suffix", "is not supported (no insertion)")
+        if body.best_of is not None and body.best_of > _first(body.n, 1):
+            raise InvalidRequestError("best_of", "is not supported beyond n")
+        if body.echo and body.logprobs is not None:
+            raise InvalidRequestError("echo", "with logprobs is not supported (no prompt logprobs)")
+        return
+    for field in ("tools", "functions"):
+        if getattr(body, field):
+            raise InvalidRequestError(field, "tool calling is not supported by this server")
+    for field in ("tool_choice", "function_call"):
+        if getattr(body, field) not in (None, "none"):
+            raise InvalidRequestError(field, "tool calling is not supported by this server")
+    if body.modalities is not None and set(body.modalities) - {"text"}:
+        raise InvalidRequestError("modalities", "only 'text' is supported")
+    if body.audio is not None:
+        raise InvalidRequestError("audio", "audio output is not supported")
 
 
 def _first(*values: Any) -> Any:
@@ -195,24 +226,47 @@ class OpenAIServer:
         if body.messages is None:
             raise InvalidRequestError("messages", "required")
         conversation = []
-        for m in body.messages:
+        for i, m in enumerate(body.messages):
             content = m.content
-            if not isinstance(content, str):  # content parts: keep the text ones
-                content = "".join(p.text or "" for p in content if p.type == "text")
+            if not isinstance(content, str):  # content parts: text only
+                for j, part in enumerate(content):
+                    if part.type != "text":
+                        raise InvalidRequestError(
+                            f"messages[{i}].content[{j}].type",
+                            f"{part.type!r} is not supported: this server's models read text",
+                        )
+                content = "".join(p.text or "" for p in content)
             conversation.append({"role": m.role, "content": content})
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template", "messages")
         return conversation
 
-    def completion_prompt(self, body: CompletionRequest) -> str | dict:
+    def completion_prompts(self, body: CompletionRequest) -> list[str | dict]:
+        """A completion's prompts: one (a string or token ids), or a batch of either."""
         prompt = body.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return {"prompt_token_ids": prompt}
-        raise InvalidRequestError("prompt", "expected a string or an array of token ids")
+            return [prompt]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) for t in prompt):
+                return [{"prompt_token_ids": prompt}]
+            if all(isinstance(p, str) for p in prompt):
+                return list(prompt)
+            if all(isinstance(p, list) for p in prompt):
+                return [{"prompt_token_ids": p} for p in prompt]
+        raise InvalidRequestError(
+            "prompt", "expected a string, an array of token ids, or a batch of either"
+        )
+
+    def echoed(self, prompts: list[str | dict], tokenizer) -> list[str]:
+        """Each prompt's text, for `echo`."""
+        return [
+            p
+            if isinstance(p, str)
+            else tokenizer.decode(p["prompt_token_ids"])
+            if tokenizer
+            else ""
+            for p in prompts
+        ]
 
     async def handle(self, request: Request, *, chat: bool) -> Response:
         try:
@@ -222,12 +276,20 @@ class OpenAIServer:
             served = self.get_model(body.model)
             engine = served.engine  # the version serving now: its tokenizer (NOTE: not pinned)
             params = sampling_params_from(body)
-            if chat:
-                prompt = self.chat_prompt(body, engine.tokenizer)
-            else:
-                prompt = self.completion_prompt(body)
+            echo = None
             if chat:  # the template and tokenizer run off the event loop when it is long
-                prompt = {"prompt_token_ids": await engine.encode_chat(prompt)}
+                conversation = self.chat_prompt(body, engine.tokenizer)
+                prompts = [{"prompt_token_ids": await engine.encode_chat(conversation)}]
+            else:
+                prompts = self.completion_prompts(body)
+                if len(prompts) > 1 and len(prompts) * params.n > engine.max_pending_requests:
+                    raise InvalidRequestError(
+                        "prompt",
+                        f"{len(prompts)} prompts x n={params.n} exceed the server's "
+                        f"{engine.max_pending_requests} sequences",
+                    )
+                if body.echo:
+                    echo = self.echoed(prompts, engine.tokenizer)
             priority = _first(body.priority, 0)
             stream = _first(body.stream, False)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -237,8 +299,11 @@ class OpenAIServer:
         except InvalidRequestError as e:
             return error_response(400, str(e), e.field)
         request_id = engine_request_id("chatcmpl" if chat else "cmpl")
-        results = served.generate(request_id, prompt, params, priority)
-        reply = Reply(request_id, served.name, engine.tokenizer, chat, params)
+        if len(prompts) == 1:
+            results = served.generate(request_id, prompts[0], params, priority)
+        else:
+            results = _batch(served, request_id, prompts, params, priority)
+        reply = Reply(request_id, served.name, engine.tokenizer, chat, params, len(prompts), echo)
         try:  # the first output: admission, validation and engine errors surface before a stream
             async with asyncio.timeout_at(deadline):
                 first = await anext(results)
@@ -267,7 +332,9 @@ class OpenAIServer:
                 choice["message"] = {"role": "assistant", "content": o.text}
                 choice["logprobs"] = _logprobs_chat(o, tokenizer, num_logprobs)
             else:
-                choice["text"] = o.text
+                choice["text"] = (
+                    reply.echo[o.index // reply.params.n] + o.text if reply.echo else o.text
+                )
                 choice["logprobs"] = _logprobs_completion(o, tokenizer, num_logprobs)
             choices.append(choice)
         return {
@@ -292,7 +359,9 @@ class OpenAIServer:
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         hold = _held_back(params)
-        sent = [0] * params.n
+        sent = [0] * (params.n * reply.num_prompts)  # characters sent, by choice
+        ended: set[int] = set()  # the choices whose finish_reason is sent
+        echo = reply.echo
         last: RequestOutput | None = None
 
         def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
@@ -309,13 +378,21 @@ class OpenAIServer:
             return b"data: " + orjson.dumps(body) + b"\n\n"
 
         def delta_of(o) -> dict | None:
-            """The choice chunk for one sequence's new text, held back near stop strings."""
+            """The choice chunk for one sequence's new text, held back near stop strings;
+            None when it has nothing new (or has ended already: a finished sequence stays in
+            its request's outputs while the others run on)."""
+            if o.index in ended:
+                return None
             done = o.finish_reason is not None
             end = len(o.text) if done else max(sent[o.index], len(o.text) - hold)
             delta = o.text[sent[o.index] : end]
             if not delta and not done:
                 return None
+            if echo is not None and sent[o.index] == 0:  # its first chunk: the prompt first
+                delta = echo[o.index // params.n] + delta
             sent[o.index] = end
+            if done:
+                ended.add(o.index)
             body = {"delta": {"content": delta}} if chat else {"text": delta}
             return {"index": o.index, **body, "finish_reason": o.finish_reason, "logprobs": None}
 
@@ -356,6 +433,8 @@ class Reply:
     tokenizer: Any
     chat: bool
     params: SamplingParams
+    num_prompts: int = 1  # a batch's: choice p * n + i is prompt p's sample i
+    echo: list[str] | None = None  # each prompt's text, to precede its choices' (`echo`)
     version: str | None = None  # a model repository's version (None: a fixed model)
 
     def fingerprint(self) -> dict:
@@ -373,6 +452,63 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]):
                 yield output
     finally:
         await rest.aclose()
+
+
+async def _batch(
+    served: ServedModel, request_id: str, prompts: list, params: SamplingParams, priority: int
+) -> AsyncIterator[RequestOutput]:
+    """A batch of prompts as one request's outputs: each prompt its own engine request, its
+    choices numbered after the prompts before it (prompt p's sample i is choice p * n + i).
+    Yields each prompt's outputs as they advance, then all of them once every prompt is done
+    (`finished`, usage over the batch). Every prompt's first output comes before anything is
+    yielded, so a refused prompt fails the whole request before a response starts; any error
+    aborts the rest."""
+    n = params.n
+    streams = [
+        served.generate(f"{request_id}-{p}", prompt, params, priority)
+        for p, prompt in enumerate(prompts)
+    ]
+    pending = {asyncio.ensure_future(anext(s)): p for p, s in enumerate(streams)}
+
+    def numbered(p: int, out: RequestOutput) -> RequestOutput:
+        outputs = [dataclasses.replace(o, index=p * n + o.index) for o in out.outputs]
+        return dataclasses.replace(out, request_id=request_id, outputs=outputs, finished=False)
+
+    try:
+        # every first output (or the first error: the finally cancels the rest)
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if (error := task.exception()) is not None:
+                raise error
+        latest = [task.result() for task in pending]  # in prompt order (dicts keep it)
+        pending.clear()
+        for p, out in enumerate(latest):
+            yield numbered(p, out)
+            if not out.finished:
+                pending[asyncio.ensure_future(anext(streams[p]))] = p
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                p = pending.pop(task)
+                latest[p] = out = task.result()
+                yield numbered(p, out)
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(streams[p]))] = p
+        yield RequestOutput(
+            request_id,
+            None,
+            [t for out in latest for t in out.prompt_token_ids],
+            [o for p, out in enumerate(latest) for o in numbered(p, out).outputs],
+            sum(out.num_cached_tokens for out in latest),
+            finished=True,
+            model_version=latest[0].model_version,
+        )
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 def _deadline(timeout: float | None, header: str | None) -> float | None:

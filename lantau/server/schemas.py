@@ -5,7 +5,9 @@ type at any depth, an integer past 64 bits or a float where a count belongs is a
 field (`messages[0].content[1].text: expected a string or null, got an integer`), never a 500.
 Ranges that the offline API shares (temperature >= 0, finite numbers, ...) stay in
 SamplingParams; limits a server sets (`max_n`, `max_logprobs`) are checked by the routes.
-Unknown fields are ignored, as OpenAI clients send many.
+Unknown fields are ignored, as OpenAI clients send many; the known ones this server does not
+do (tools, guided decoding, images, audio, suffix, best_of) are declared so that the routes
+refuse them rather than answer as if they had been followed.
 """
 
 from __future__ import annotations
@@ -48,8 +50,12 @@ class StreamOptions(Struct):
 
 
 class ContentPart(Struct):
-    type: str
-    text: str | None = None  # only `text` parts are read; others (images) are ignored
+    type: str  # only "text": the models served read text (an image is a 400, not dropped)
+    text: str | None = None
+
+
+class ResponseFormat(Struct):
+    type: str  # only "text": no guided decoding (json_object, json_schema are a 400)
 
 
 class ChatMessage(Struct):
@@ -82,12 +88,17 @@ class OpenAIRequest(Struct):
     # token id (a JSON object's keys are strings: "50256") -> bias; the range is checked by
     # SamplingParams, the vocabulary by the engine
     logit_bias: dict[TokenId, float] | None = None
+    # read only to refuse what this server does not do (openai_api.refuse_unsupported)
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(OpenAIRequest):
-    # a string, token ids, or a batch of one of either
+    # a string, token ids, or a batch of either
     prompt: str | list[str | TokenId | list[TokenId]] | None = None
     logprobs: Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: bool | None = None  # the prompt's text before each choice's
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
 
 
 class ChatRequest(OpenAIRequest):
@@ -95,6 +106,13 @@ class ChatRequest(OpenAIRequest):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+    # read only to refuse what this server does not do (openai_api.refuse_unsupported)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
 
 
 # ---------------------------------------------------------------- KServe v2 HTTP
