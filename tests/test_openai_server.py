@@ -412,6 +412,25 @@ def test_disconnect_aborts_and_frees_blocks(server):
     assert wait_idle(server)["num_generated_tokens"] - after < 480
 
 
+def test_a_batch_disconnected_or_past_its_deadline_is_aborted_whole(server):
+    """Every prompt of a batch is aborted when its client hangs up mid-stream, or when its
+    deadline passes (504), and every KV block comes back."""
+    headers = {"x-api-key": API_KEY}
+    prompts = ["Tell me a long story", "Write a long poem", "List many numbers"]
+    body = {"prompt": prompts, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    before = wait_idle(server)["num_generated_tokens"]
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers) as r:
+        lines = r.iter_lines()
+        next(lines)
+        assert status(server)["num_running"] == 3
+    after = wait_idle(server)["num_generated_tokens"]
+    assert after - before < 3 * 400
+    body = {**body, "stream": False, "timeout": 0.5}
+    r = httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=30)
+    assert r.status_code == 504, r.text
+    assert wait_idle(server)["num_generated_tokens"] - after < 3 * 400
+
+
 # --- fuzz: malformed requests never get a 5xx and never break the engine -------------------
 
 FIELDS = [
