@@ -32,3 +32,5 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finished: bool = False
     model_version: str | None = None  # the version that served it (a model repository's)
+    # SamplingParams.prompt_logprobs: each prompt token's (None for the first), once known
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

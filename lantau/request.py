@@ -57,6 +57,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; k: the chosen token's and the top-k's
+    # None: none; k: each prompt token's logprob (after the first) and the top-k's there
+    # (no prefix-cache hits for such a request: every prompt position is computed)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (benchmarks), no text or stop strings
     # added to the token's logit before sampling (OpenAI's: -100 bans a token, 100 forces it)
@@ -106,6 +109,11 @@ class SamplingParams:
             (
                 "logprobs",
                 self.logprobs is None or _is_int(self.logprobs, 0),
+                "must be null or an integer >= 0",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or _is_int(self.prompt_logprobs, 0),
                 "must be null or an integer >= 0",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),

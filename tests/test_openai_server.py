@@ -266,6 +266,67 @@ def test_batch_of_prompts_and_echo(client, server, offline):
     wait_idle(server)
 
 
+def test_echo_with_logprobs_as_lm_eval_asks(client, server, offline):
+    """lm-eval-harness's loglikelihood request (a batch of token-id prompts, echo, logprobs
+    1, max_tokens 1, greedy): each choice's logprobs are its prompt's tokens (null for the
+    first) then its sampled token's, as the offline engine's prompt_logprobs and logprobs
+    give them; streamed, the same."""
+    prompts = [[5, 17, 300, 42, 9, 77, 123], [8, 8, 400, 3]]
+    refs = offline.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1),
+    )
+    args = dict(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    out = client.completions.create(**args)
+    for choice, prompt, ref in zip(out.choices, prompts, refs, strict=True):
+        lp, sample = choice.logprobs, ref.outputs[0]
+        assert len(lp.tokens) == len(lp.text_offset) == len(prompt) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        expected = [e[t].logprob for e, t in zip(ref.prompt_logprobs[1:], prompt[1:], strict=True)]
+        expected.append(sample.logprobs[0][sample.token_ids[0]].logprob)
+        assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+        assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
+        assert lp.text_offset == sorted(lp.text_offset)
+    stream = client.completions.create(**args, stream=True)
+    streamed: dict[int, list] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    for i, choice in enumerate(out.choices):  # another batch: the same up to float rounding
+        assert streamed[i][0] is None
+        assert streamed[i][1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-5)
+    wait_idle(server)
+
+
+def test_streamed_logprobs_equal_the_unstreamed(client):
+    """Each chunk carries the logprobs of the tokens it adds (both routes)."""
+    args = dict(model=MODEL, prompt="The weather today", max_tokens=8, temperature=0, logprobs=2)
+    full = client.completions.create(**args).choices[0].logprobs
+    tokens, values, offsets = [], [], []
+    for chunk in client.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert (tokens, values, offsets) == (full.tokens, full.token_logprobs, full.text_offset)
+    chat = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    full = client.chat.completions.create(**chat).choices[0].logprobs.content
+    streamed = [
+        t
+        for chunk in client.chat.completions.create(**chat, stream=True)
+        for c in chunk.choices
+        if c.logprobs is not None
+        for t in c.logprobs.content
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in full]
+    assert all(len(t.top_logprobs) == 2 for t in streamed)
+
+
 def test_n_samples_ending_apart_send_one_finish_reason_each(client, server):
     """A sample that stops early stays in its request's outputs while the others run: its
     finish_reason is sent once, not again with every later chunk."""
@@ -308,7 +369,6 @@ def test_n_samples_ending_apart_send_one_finish_reason_each(client, server):
         ),  # fmt: skip
         ("completions", dict(suffix="the end"), "suffix"),
         ("completions", dict(best_of=3), "best_of"),
-        ("completions", dict(echo=True, logprobs=1), "echo"),
         (
             "completions",
             dict(extra_body={"response_format": {"type": "json_schema"}}),

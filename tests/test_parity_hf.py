@@ -60,6 +60,48 @@ def test_greedy_and_logits_match_hf(hf_model_dir):
     assert llm.engine.core.kv_cache.num_free_blocks == 256
 
 
+def test_prompt_logprobs_match_hf(hf_model_dir):
+    """SamplingParams.prompt_logprobs: every prompt token's logprob (after the first) and
+    rank, and each position's top-k, equal HF's log-softmax of its logits at the position
+    before; across prompt chunks (a 16-token threshold), beside requests not asking, with n
+    samples (sample 0 computes them), and never from the prefix cache (every position is
+    computed; a plain request after it does hit the cache)."""
+    folder, hf_model = hf_model_dir
+    prompts = make_prompts()[3:]  # 17 to 70 tokens
+    llm = LLM(
+        str(folder), dtype="float32", device="cpu", num_kv_blocks=256,
+        long_prefill_token_threshold=16,
+    )  # fmt: skip
+    asking = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=4, n=2)
+    plain = SamplingParams(temperature=0.0, max_tokens=3)
+    params = [asking if i % 2 == 0 else plain for i in range(len(prompts))]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, output, p in zip(prompts, outputs, params, strict=True):
+        if p is plain:
+            assert output.prompt_logprobs is None
+            continue
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+        got = output.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        for i in range(1, len(prompt)):
+            entry, token, row = got[i], prompt[i], ref[i - 1]
+            assert abs(entry[token].logprob - row[token].item()) <= 1e-4, (i, entry[token])
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top = row.topk(4).indices.tolist()
+            assert set(entry) == set(top) | {token}
+            assert all(entry[t].rank == r for r, t in enumerate(top, start=1) if t != token)
+        assert output.num_cached_tokens == 0
+    again = llm.generate([{"prompt_token_ids": prompts[0]}] * 2, [asking, plain])
+    assert again[0].num_cached_tokens == 0 and again[1].num_cached_tokens > 0
+    for a, b in zip(again[0].prompt_logprobs[1:], outputs[0].prompt_logprobs[1:], strict=True):
+        # another batch, other chunks: the same up to float rounding
+        assert {t: e.rank for t, e in a.items()} == {t: e.rank for t, e in b.items()}
+        assert all(abs(a[t].logprob - b[t].logprob) <= 1e-5 for t in a)
+    llm.engine.core.scheduler.check_integrity()
+    assert llm.engine.core.kv_cache.num_free_blocks == 256
+
+
 def test_repetition_penalty_matches_hf(tiny_llama_dir):
     """Through the whole engine: HF's repetition penalty covers prompt and output tokens,
     like lantau's; greedy tokens must agree."""

@@ -176,6 +176,12 @@ def test_engine_split_over_two_ranks(tiny_llama_dir):
     sampled = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=3, ignore_eos=True),
                SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)]  # fmt: skip
     split = [[o.outputs[0].token_ids for o in llm.generate(prompts, p)] for p in sampled]
+    # the prompt's logprobs (every rank computes the logits, gathered) and a logit bias
+    extras = SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2,
+        logit_bias={7: 5.0, 9: -100.0},
+    )  # fmt: skip
+    split_extras = llm.generate(prompts, extras)
     llm.engine.core.scheduler.check_integrity()
     assert llm.engine.core.kv_cache.num_free_blocks == 256
     workers = list(llm.engine.core.workers.processes)
@@ -187,6 +193,11 @@ def test_engine_split_over_two_ranks(tiny_llama_dir):
     one = LLM(str(tiny_llama_dir), **common)
     whole = [[o.outputs[0].token_ids for o in one.generate(prompts, p)] for p in sampled]
     assert split == whole
+    for a, b in zip(split_extras, one.generate(prompts, extras), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) and a.prompt_logprobs[0] is None
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
 
 
 def test_engine_refuses_a_split_that_does_not_divide(tiny_llama_dir):
@@ -385,7 +396,7 @@ def test_a_step_reaches_the_workers_whole():
         repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.4, seed=9,
         stop=("x", "yz"), stop_token_ids=(3, 4), ignore_eos=True,
         include_stop_str_in_output=True, logprobs=3, skip_special_tokens=False,
-        detokenize=False,
+        detokenize=False, logit_bias={5: -100.0, 7: 2.5}, prompt_logprobs=2,
     )  # fmt: skip
     assert all(getattr(params, f) != getattr(SamplingParams(), f)
                for f in SamplingParams.__dataclass_fields__)  # fmt: skip

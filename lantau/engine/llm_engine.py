@@ -96,7 +96,11 @@ class OutputProcessor:
                 seed = None if params.seed is None else params.seed + i
                 if seed is not None and seed > UINT64_MAX:  # torch's seeds wrap at 64 bits
                     seed -= UINT64_MAX + 1
-                child_params = dataclasses.replace(params, n=1, seed=seed)
+                # the prompt's logprobs from sample 0 alone: the same for all
+                prompt_logprobs = params.prompt_logprobs if i == 0 else None
+                child_params = dataclasses.replace(
+                    params, n=1, seed=seed, prompt_logprobs=prompt_logprobs
+                )
             logprobs = [] if params.logprobs is not None else None
             detok = None
             if self.tokenizer is not None and params.detokenize:
@@ -149,6 +153,8 @@ class OutputProcessor:
         seq = state.sequences[index]
         if index == 0:
             state.output.num_cached_tokens = core_out.num_cached_tokens
+            if core_out.prompt_logprobs is not None:
+                state.output.prompt_logprobs = core_out.prompt_logprobs
         out = seq.output
         reason = core_out.finish_reason
         for i, token_id in enumerate(core_out.new_token_ids):

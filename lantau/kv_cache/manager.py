@@ -54,9 +54,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest cached prefix of full blocks, and its token count.
 
-        NOTE: at least one token is left to compute, since its logits are needed.
+        NOTE: at least one token is left to compute, since its logits are needed; and none is
+        taken for a request asking for its prompt's logprobs (each position's logits are).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []

@@ -30,12 +30,13 @@ from lantau.kernels import require_triton
 from lantau.kv_cache.manager import cdiv
 from lantau.model.forward_context import AttentionMetadata, ForwardContext
 from lantau.model.llama import LlamaForCausalLM
-from lantau.request import SamplingParams
+from lantau.request import Logprob, SamplingParams
 from lantau.runner.step_inputs import StepInputs
 from lantau.sampling.sampler import (
     PendingSample,
     Sampler,
     SamplingRow,
+    compute_logprobs,
     to_device,
     uses_penalties,
 )
@@ -49,6 +50,9 @@ class CachedRequestState:
     params: SamplingParams
     row: int  # its row of ModelRunner.block_table
     num_blocks: int = 0
+    # its prompt's logprobs so far (None for the first token), while it collects them: from
+    # its first scheduling to its first sample
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class BlockTable:
@@ -170,6 +174,7 @@ class ModelRunner:
             for _ in range(2)
         ]
         self._last = 1
+        self.collecting_prompt_logprobs: set[str] = set()  # CachedRequestState.prompt_logprobs
         self.graphs = None  # CudaGraphRunner (decode-only steps), once captured
         self.mixed_graphs = None  # MixedGraphRunner (steps with prompt tokens), once captured
         # the copies between steps on their own streams, off the device's critical path: the
@@ -235,6 +240,7 @@ class ModelRunner:
             self.graphs.copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
     def _drop(self, request_id: str) -> None:
+        self.collecting_prompt_logprobs.discard(request_id)
         state = self.states.pop(request_id, None)
         if state is not None:
             self.block_table.release(state.row)
@@ -251,6 +257,11 @@ class ModelRunner:
                 list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 self.block_table.add(new.block_ids), len(new.block_ids),
             )  # fmt: skip
+            if new.sampling_params.prompt_logprobs is not None and (
+                len(new.token_ids) == new.num_prompt_tokens and new.num_computed_tokens == 0
+            ):  # NOTE: resumed after its first sample, it sent them already
+                self.states[new.request_id].prompt_logprobs = [None]
+                self.collecting_prompt_logprobs.add(new.request_id)
             seed = new.sampling_params.seed
             if seed is not None and new.request_id not in self.generators:
                 self.generators[new.request_id] = torch.Generator(self.device).manual_seed(seed)
@@ -338,8 +349,12 @@ class ModelRunner:
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """Logits of the sampling rows, eagerly: [num_sample, vocab_size]; None for a step of
         prefill chunks only (its KV is written; no row needs logits)."""
+        return self._sample_logits(self._forward(inputs), inputs)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model's body, eagerly: [num_tokens, hidden_size]."""
         input_ids, ctx = self._to_device(inputs)
-        return self._sample_logits(self.model(input_ids, ctx), inputs)
+        return self.model(input_ids, ctx)
 
     def _sample_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
         """The logits of the rows of `hidden` (the model's body's output) that sample."""
@@ -348,15 +363,66 @@ class ModelRunner:
         indices = to_device(inputs.logits_indices, self.device)
         return self.model.compute_logits(hidden[indices])
 
-    def _mixed_graph_logits(self, inputs: StepInputs) -> torch.Tensor | None:
-        """_forward_logits, the model's body replayed as the step's bucket's graph."""
+    def _mixed_graph_forward(self, inputs: StepInputs) -> torch.Tensor:
+        """_forward, the model's body replayed as the step's bucket's graph (its rows past
+        the step's tokens are padding)."""
         graphs = self.mixed_graphs
         num_tokens = graphs.bucket(len(inputs.input_ids))
         graphs.stage(inputs, num_tokens)
         self.fill_pending(graphs.input_ids[:num_tokens], inputs)
         graph, hidden = graphs.graphs[num_tokens]
         graph.replay()
-        return self._sample_logits(hidden, inputs)
+        return hidden
+
+    def _mixed_graph_logits(self, inputs: StepInputs) -> torch.Tensor | None:
+        """_forward_logits through the step's bucket's graph."""
+        return self._sample_logits(self._mixed_graph_forward(inputs), inputs)
+
+    def _prompt_logprob_rows(
+        self, out: SchedulerOutput, inputs: StepInputs
+    ) -> list[tuple[str, int, list[int]]]:
+        """The requests collecting their prompt's logprobs with prompt positions in this
+        step whose next token is a prompt token: (request id, the first such position's row
+        in the step, those next tokens)."""
+        scheduled = [(r.request_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+        scheduled += [(r.request_id, r.num_computed_tokens) for r in out.scheduled_cached_reqs]
+        found = []
+        for i, (request_id, start) in enumerate(scheduled):
+            state = self.states[request_id]
+            if state.prompt_logprobs is None:
+                continue
+            # position p's logits give the logprob of token p + 1
+            end = min(start + out.num_scheduled_tokens[request_id], state.num_prompt_tokens - 1)
+            if end > start:
+                found.append(
+                    (
+                        request_id,
+                        int(inputs.query_start_loc[i]),
+                        state.token_ids[start + 1 : end + 1],
+                    )
+                )
+        return found
+
+    def _collect_prompt_logprobs(
+        self, hidden: torch.Tensor, found: list[tuple[str, int, list[int]]], chunk: int = 512
+    ) -> None:
+        """Each found request's prompt logprobs at this step's positions, appended to its
+        state (the logits of `chunk` rows at a time; waits for the device)."""
+        rows, targets, wanted = [], [], []
+        for request_id, first_row, next_tokens in found:
+            rows += range(first_row, first_row + len(next_tokens))
+            targets += next_tokens
+            k = self.states[request_id].params.prompt_logprobs
+            wanted += [SamplingRow(SamplingParams(logprobs=k), None, [], [])] * len(next_tokens)
+        dicts: list[dict[int, Logprob] | None] = []
+        for s in range(0, len(rows), chunk):
+            logits = self.model.compute_logits(hidden[to_device(rows[s : s + chunk], self.device)])
+            tokens = to_device(targets[s : s + chunk], self.device)
+            dicts += compute_logprobs(logits, wanted[s : s + chunk], tokens)
+        at = 0
+        for request_id, _, next_tokens in found:
+            self.states[request_id].prompt_logprobs.extend(dicts[at : at + len(next_tokens)])
+            at += len(next_tokens)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One whole step: launch, sample, collect."""
@@ -372,10 +438,18 @@ class ModelRunner:
             return LaunchedStep()
         inputs = self._prepare_inputs(out)
         num_sample, greedy_ids = len(inputs.sample_ids), None
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        found = self._prompt_logprob_rows(out, inputs) if self.collecting_prompt_logprobs else []
+        if not found and self.graphs is not None and self.graphs.can_run(inputs):
             # the turn: the ids buffer this step writes, the one the last sampling step did not
             logits, greedy_ids = self.graphs.run(inputs, 1 - self._last)
             logits, greedy_ids = logits[:num_sample], greedy_ids[:num_sample]
+        elif found:  # a rare step: its prompt positions' logprobs too, for which the host waits
+            if self.mixed_graphs is not None and self.mixed_graphs.can_run(inputs):
+                hidden = self._mixed_graph_forward(inputs)
+            else:
+                hidden = self._forward(inputs)
+            logits = self._sample_logits(hidden, inputs)
+            self._collect_prompt_logprobs(hidden, found)
         elif self.mixed_graphs is not None and self.mixed_graphs.can_run(inputs):
             logits = self._mixed_graph_logits(inputs)
         else:
@@ -427,6 +501,10 @@ class ModelRunner:
             state = self.states.get(request_id)
             if state is not None:
                 state.token_ids.append(token_id)
+                if state.prompt_logprobs is not None:  # its first sample: with them, once
+                    result.prompt_logprobs[request_id] = state.prompt_logprobs
+                    state.prompt_logprobs = None
+                    self.collecting_prompt_logprobs.discard(request_id)
             result.sampled_token_ids[request_id] = token_id
             if logprobs is not None:
                 result.logprobs[request_id] = logprobs

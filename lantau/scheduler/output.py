@@ -55,6 +55,8 @@ class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # request id -> {token id: Logprob} (chosen + top-n), for requests asking for logprobs
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    # request id -> its prompt's logprobs (None for the first token), with its first sample
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,6 +68,8 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    # the prompt's logprobs (None for its first token), on the request's first output only
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -254,6 +254,7 @@ class Scheduler:
                     new_logprobs=None if logprobs is None else [logprobs],
                     finish_reason=reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    prompt_logprobs=result.prompt_logprobs.get(request_id),
                 )
             )
             if reason is not None:

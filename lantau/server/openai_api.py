@@ -96,8 +96,6 @@ def refuse_unsupported(body: ChatRequest | CompletionRequest) -> None:
             raise InvalidRequestError("suffix", "is not supported (no insertion)")
         if body.best_of is not None and body.best_of > _first(body.n, 1):
             raise InvalidRequestError("best_of", "is not supported beyond n")
-        if body.echo and body.logprobs is not None:
-            raise InvalidRequestError("echo", "with logprobs is not supported (no prompt logprobs)")
         return
     for field in ("tools", "functions"):
         if getattr(body, field):
@@ -119,6 +117,7 @@ def _first(*values: Any) -> Any:
 def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParams:
     """OpenAI fields, logit_bias too (plus vLLM's extras: top_k, min_p, repetition_penalty,
     ignore_eos); InvalidRequestError names a field out of range."""
+    prompt_logprobs = None
     if isinstance(body, ChatRequest):
         # NOTE: max_completion_tokens replaces max_tokens; 0 is refused by the schema
         max_tokens = _first(body.max_completion_tokens, body.max_tokens, 512)
@@ -126,6 +125,8 @@ def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParam
     else:
         max_tokens = _first(body.max_tokens, 16)
         logprobs = body.logprobs
+        if body.echo and logprobs is not None:  # the echoed prompt's logprobs too
+            prompt_logprobs = logprobs
     return SamplingParams(
         n=_first(body.n, 1),
         max_tokens=max_tokens,
@@ -141,21 +142,21 @@ def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParam
         stop_token_ids=_first(body.stop_token_ids, ()),
         ignore_eos=_first(body.ignore_eos, False),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         logit_bias=body.logit_bias,
     )
 
 
-def _logprobs_chat(output, tokenizer, num_top: int) -> dict | None:
-    """OpenAI's chat logprobs: each token's logprob and its `num_top` most likely rivals."""
-    if output.logprobs is None:
-        return None
+def _logprobs_chat(token_ids, entries, tokenizer, num_top: int) -> dict:
+    """OpenAI's chat logprobs of these tokens: each one's logprob and its `num_top` most
+    likely rivals."""
 
     def piece(t: int) -> dict:
         text = tokenizer.decode([t]) if tokenizer is not None else str(t)
         return {"token": text, "bytes": list(text.encode())}
 
     content = []
-    for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
+    for token_id, entry in zip(token_ids, entries, strict=False):
         top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:num_top]
         content.append(
             {
@@ -167,23 +168,27 @@ def _logprobs_chat(output, tokenizer, num_top: int) -> dict | None:
     return {"content": content}
 
 
-def _logprobs_completion(output, tokenizer, num_top: int) -> dict | None:
-    """OpenAI's legacy completions logprobs: tokens, their logprobs, offsets, top-n maps."""
-    if output.logprobs is None:
-        return None
+def _logprobs_completion(token_ids, entries, tokenizer, num_top: int, offset: int = 0) -> dict:
+    """OpenAI's legacy completions logprobs of these tokens: the tokens, their logprobs,
+    their text's offsets from `offset` on, top-n maps; an entry None (a prompt's first
+    token, echoed) has null logprobs."""
 
     def piece(t: int) -> str:
         return tokenizer.decode([t]) if tokenizer is not None else str(t)
 
-    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
-    for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries, strict=False):
         text = piece(token_id)
         tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
         token_logprobs.append(entry[token_id].logprob)
         top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:num_top]
         top_logprobs.append({piece(t): lp.logprob for t, lp in top})
-        offsets.append(offset)
-        offset += len(text)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -325,17 +330,15 @@ class OpenAIServer:
 
     def _full_body(self, reply: Reply, output: RequestOutput) -> dict:
         choices = []
-        num_logprobs, tokenizer = reply.params.logprobs or 0, reply.tokenizer
+        parts = output.parts if isinstance(output, BatchOutput) else [output]
         for o in output.outputs:
             choice: dict[str, Any] = {"index": o.index, "finish_reason": o.finish_reason}
             if reply.chat:
                 choice["message"] = {"role": "assistant", "content": o.text}
-                choice["logprobs"] = _logprobs_chat(o, tokenizer, num_logprobs)
             else:
-                choice["text"] = (
-                    reply.echo[o.index // reply.params.n] + o.text if reply.echo else o.text
-                )
-                choice["logprobs"] = _logprobs_completion(o, tokenizer, num_logprobs)
+                prompt = reply.echo[o.index // reply.params.n] if reply.echo else ""
+                choice["text"] = prompt + o.text
+            choice["logprobs"] = reply.logprobs(parts[o.index // reply.params.n], o, 0, 0)
             choices.append(choice)
         return {
             "id": reply.request_id,
@@ -360,6 +363,7 @@ class OpenAIServer:
         created = int(time.time())
         hold = _held_back(params)
         sent = [0] * (params.n * reply.num_prompts)  # characters sent, by choice
+        sent_tokens = [0] * (params.n * reply.num_prompts)  # tokens whose logprobs are sent
         ended: set[int] = set()  # the choices whose finish_reason is sent
         echo = reply.echo
         last: RequestOutput | None = None
@@ -377,7 +381,7 @@ class OpenAIServer:
                 body["usage"] = usage
             return b"data: " + orjson.dumps(body) + b"\n\n"
 
-        def delta_of(o) -> dict | None:
+        def delta_of(part: RequestOutput, o) -> dict | None:
             """The choice chunk for one sequence's new text, held back near stop strings;
             None when it has nothing new (or has ended already: a finished sequence stays in
             its request's outputs while the others run on)."""
@@ -388,13 +392,21 @@ class OpenAIServer:
             delta = o.text[sent[o.index] : end]
             if not delta and not done:
                 return None
-            if echo is not None and sent[o.index] == 0:  # its first chunk: the prompt first
-                delta = echo[o.index // params.n] + delta
-            sent[o.index] = end
+            first = sent[o.index] == 0 and sent_tokens[o.index] == 0
+            offset = sent[o.index]
+            if echo is not None:
+                if first:  # its first chunk: the prompt first
+                    delta = echo[o.index // params.n] + delta
+                else:
+                    offset += len(echo[o.index // params.n])
+            logprobs = reply.logprobs(part, o, sent_tokens[o.index], offset)
+            sent[o.index], sent_tokens[o.index] = end, len(o.token_ids)
             if done:
                 ended.add(o.index)
             body = {"delta": {"content": delta}} if chat else {"text": delta}
-            return {"index": o.index, **body, "finish_reason": o.finish_reason, "logprobs": None}
+            return {
+                "index": o.index, **body, "finish_reason": o.finish_reason, "logprobs": logprobs
+            }  # fmt: skip
 
         if chat:
             yield chunk(
@@ -412,7 +424,7 @@ class OpenAIServer:
             async with asyncio.timeout_at(deadline):
                 async for output in results:
                     last = output
-                    choices = [c for o in output.outputs if (c := delta_of(o)) is not None]
+                    choices = [c for o in output.outputs if (c := delta_of(output, o)) is not None]
                     if choices:
                         yield chunk(choices)
         except Exception as e:  # the stream has started: report in-band, then end it
@@ -437,6 +449,21 @@ class Reply:
     echo: list[str] | None = None  # each prompt's text, to precede its choices' (`echo`)
     version: str | None = None  # a model repository's version (None: a fixed model)
 
+    def logprobs(self, part: RequestOutput, o, start: int, offset: int) -> dict | None:
+        """A choice's logprobs from its token `start` on (OpenAI's shape for the route; None
+        unless asked for). Completions: the text offsets count from `offset`; with `echo`,
+        the prompt's tokens come first (from start 0)."""
+        if o.logprobs is None:
+            return None
+        num_top, tokenizer = self.params.logprobs or 0, self.tokenizer
+        token_ids, entries = o.token_ids[start:], o.logprobs[start:]
+        if self.chat:
+            return _logprobs_chat(token_ids, entries, tokenizer, num_top)
+        if self.echo is not None and start == 0 and part.prompt_logprobs is not None:
+            token_ids = part.prompt_token_ids + token_ids
+            entries = part.prompt_logprobs + entries
+        return _logprobs_completion(token_ids, entries, tokenizer, num_top, offset)
+
     def fingerprint(self) -> dict:
         """OpenAI's system_fingerprint names the backend configuration: here the version."""
         return {"system_fingerprint": f"{self.model_name}:{self.version}"} if self.version else {}
@@ -452,6 +479,13 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]):
                 yield output
     finally:
         await rest.aclose()
+
+
+@dataclasses.dataclass
+class BatchOutput(RequestOutput):
+    """A batch's outputs, all of its prompts': `parts[p]` is prompt p's own."""
+
+    parts: list[RequestOutput] = dataclasses.field(default_factory=list)
 
 
 async def _batch(
@@ -494,7 +528,7 @@ async def _batch(
                 yield numbered(p, out)
                 if not out.finished:
                     pending[asyncio.ensure_future(anext(streams[p]))] = p
-        yield RequestOutput(
+        yield BatchOutput(
             request_id,
             None,
             [t for out in latest for t in out.prompt_token_ids],
@@ -502,6 +536,7 @@ async def _batch(
             sum(out.num_cached_tokens for out in latest),
             finished=True,
             model_version=latest[0].model_version,
+            parts=latest,
         )
     finally:
         for task in pending:
