@@ -133,7 +133,7 @@ class EngineCore:
         if self.device.type == "cuda" and not config.enforce_eager:
             if config.attention_backend != "triton":
                 raise ValueError("CUDA graphs need attention_backend='triton' (or enforce_eager)")
-            clock = time.perf_counter()
+            clock, cpu = time.perf_counter(), time.thread_time()
             try:
                 self.runner.capture_cuda_graphs()
             except RuntimeError as e:
@@ -144,6 +144,9 @@ class EngineCore:
                 pending.wait()
                 self.runner.capture_cuda_graphs()
             self.startup_s["cuda_graphs"] = time.perf_counter() - clock
+            # this thread's CPU time in it: far below the wall time, it waited (the GIL, a
+            # busy CPU, page faults on a cold disk) rather than worked
+            self.startup_s["cuda_graphs_cpu"] = time.thread_time() - cpu
             self.scheduler.padded_step_tokens = self.runner.mixed_graphs.padded_tokens
         if pending is not None:
             clock = time.perf_counter()
