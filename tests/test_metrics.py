@@ -204,6 +204,65 @@ def test_grpc_calls_are_counted_and_logged(make_server):
     assert ok[0]["engine_request_id"].endswith("-grpc-7") and ok[0]["num_output_tokens"] == 3
 
 
+def test_triton_statistics_count_known_traffic(make_server):
+    """Triton's statistics extension through tritonclient, HTTP and gRPC: requests that
+    ended and failed, their stages' times, the engine's steps, as /metrics counts them."""
+    import time
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    server = make_server(grpc=True)
+    model = server.status()["model"]
+    for n in (3, 4, 5):
+        assert complete(server, list(range(5, 5 + n)), n).status_code == 200
+    late = complete(server, list(range(10, 20)), 500, timeout=0.05)  # aborted at its deadline
+    assert late.status_code == 504, late.text
+    wait_idle(server)
+    m = scrape(server)
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    assert "statistics" in http.get_server_metadata()["extensions"]
+    answers = [
+        http.get_inference_statistics(model),
+        http.get_inference_statistics(),  # every model
+        http.get_inference_statistics(model, "1"),
+        grpc.get_inference_statistics(model, as_json=True),  # uint64s as strings
+    ]
+    for answer in answers:
+        (entry,) = answer["model_stats"]
+        s = {k: {f: int(v) for f, v in d.items()} for k, d in entry["inference_stats"].items()}
+        assert (entry["name"], entry["version"]) == (model, "1")
+        assert int(entry["inference_count"]) == 4
+        assert s["success"]["count"] == 3 and s["fail"]["count"] == 1
+        e2e = m["lantau:e2e_request_latency_seconds_sum" + LABEL]
+        assert abs(s["success"]["ns"] + s["fail"]["ns"] - e2e * 1e9) < 1e6  # within a ms
+        assert s["queue"]["count"] == m["lantau:request_queue_time_seconds_count" + LABEL]
+        assert s["compute_input"]["count"] == s["queue"]["count"]
+        assert 0 < s["compute_input"]["ns"] <= s["queue"]["ns"]
+        assert 0 < s["compute_infer"]["ns"] < s["success"]["ns"] + s["fail"]["ns"]
+        assert int(entry["execution_count"]) == m["lantau:engine_steps_total" + LABEL]
+        assert abs(int(entry["last_inference"]) / 1000 - time.time()) < 60
+    for call in (
+        lambda: http.get_inference_statistics("no-such-model"),
+        lambda: http.get_inference_statistics(model, "2"),
+        lambda: grpc.get_inference_statistics("no-such-model"),
+    ):
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            call()
+
+
+def test_triton_statistics_are_off_with_metrics(make_server):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    server = make_server("--disable-metrics")
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    with pytest.raises(InferenceServerException, match="--disable-metrics"):
+        http.get_inference_statistics()
+
+
 # -- the parts alone ---------------------------------------------------------------------
 
 

@@ -442,6 +442,17 @@ def test_metrics_per_model_and_version(tmp_path, built):
         )  # no engine or request series without the two labels
         for family in engine_families:  # besides the server's own (no model: labels empty)
             assert models_of(m, family) - {("", "")} == {("a", "1"), ("b", "1")}, family
+        # Triton's statistics: each model's version, its requests as /metrics counts them
+        stats = httpclient.InferenceServerClient(
+            server.base.removeprefix("http://")
+        ).get_inference_statistics()
+        got = {(s["name"], s["version"]): s for s in stats["model_stats"]}
+        assert set(got) == {("a", "1"), ("b", "1")}
+        assert [got[k]["inference_stats"]["success"]["count"] for k in sorted(got)] == [3, 2]
+        b_only = grpcclient.InferenceServerClient(server.grpc_url).get_inference_statistics(
+            "b", as_json=True
+        )
+        assert [(s["name"], s["version"]) for s in b_only["model_stats"]] == [("b", "1")]
 
         # a unloaded: its series are gone; b's keep their counts; a request for a now counts
         # on the server's own figures (no model took it)

@@ -10,6 +10,7 @@ are made once per request, at its end; the inter-token latency once per output c
 from __future__ import annotations
 
 import contextvars
+import time
 from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -188,6 +189,11 @@ class EngineMetrics:
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
+        # requests ended with a stop or length / aborted, and their end-to-end seconds; when
+        # the last one ended (ms since the epoch): Triton's statistics (server/statistics.py)
+        self.success_count, self.success_s = 0, 0.0
+        self.fail_count, self.fail_s = 0, 0.0
+        self.last_finished_ms = 0
         self.core_gc = gc_pause_histograms()  # the engine core's collections, by generation
         self.block_size = 0  # the cache's shape, for cache_config_info (set on start)
         self.num_blocks = 0
@@ -224,7 +230,15 @@ class EngineMetrics:
         self.num_cached_tokens += r.num_cached_tokens
         self.prompt_tokens.observe(r.num_prompt_tokens)
         self.output_tokens.observe(r.num_output_tokens)
-        lat["e2e"].observe(t.finished_s - t.arrival_s)
+        e2e = t.finished_s - t.arrival_s
+        lat["e2e"].observe(e2e)
+        if r.finish_reason == "abort":
+            self.fail_count += 1
+            self.fail_s += e2e
+        else:
+            self.success_count += 1
+            self.success_s += e2e
+        self.last_finished_ms = int(time.time() * 1000)
         if t.received_s:
             lat["dispatch"].observe(max(t.received_s - t.arrival_s, 0.0))
         if t.scheduled_s:

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -133,8 +134,9 @@ def build_app(
     metrics = control.metrics if control is not None else getattr(engine, "metrics", None)
     # outermost: refusals by the two above get an id, a count and a log line too
     app.add_middleware(RequestIdMiddleware, metrics=metrics, open_paths=OPEN_PATHS)
+    app.state.figures = None  # the engines' figures, for /metrics and Triton's statistics
     if metrics is not None:
-        _add_metrics_route(app, metrics, default_engine, control)
+        app.state.figures = _add_metrics_route(app, metrics, default_engine, control)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -186,7 +188,13 @@ def build_app(
         logger.warning("KServe v2 HTTP routes unavailable")
     else:
         app.include_router(
-            make_kserve_router(router, None, is_ready, max_body_bytes=config.max_body_bytes)
+            make_kserve_router(
+                router,
+                None,
+                is_ready,
+                max_body_bytes=config.max_body_bytes,
+                statistics=app.state.figures,
+            )  # fmt: skip
         )
     if control is not None:
         from lantau.server.model_control import make_repository_router
@@ -195,7 +203,8 @@ def build_app(
     return app
 
 
-def _add_metrics_route(app: FastAPI, metrics, default_engine, control) -> None:
+def _add_metrics_route(app: FastAPI, metrics, default_engine, control) -> Callable:
+    """/metrics; returns its source of the engines' figures."""
     # NOTE: prometheus_client and NVML load only when metrics are on
     from lantau.engine.protocol import StepStats
     from lantau.metrics.gpu import GpuReader
@@ -215,6 +224,8 @@ def _add_metrics_route(app: FastAPI, metrics, default_engine, control) -> None:
     async def metrics_page() -> Response:
         """Prometheus' text format: the engine's and the GPUs' figures, read now."""
         return Response(exporter.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return sources
 
 
 def _draining_server_class():
@@ -374,6 +385,7 @@ async def serve(
                 router, None, config.host, config.grpc_port,
                 app.state.is_ready, api_keys=config.api_keys,
                 max_message_bytes=config.max_body_bytes, control=control, metrics=metrics,
+                statistics=app.state.figures,
             )  # fmt: skip
     uvicorn_config = uvicorn.Config(
         app,

@@ -40,6 +40,7 @@ from lantau.server.kserve_http import (
 )
 from lantau.server.models import ModelRouter, as_router
 from lantau.server.observability import observe_grpc_call
+from lantau.server.statistics import model_statistics
 
 if TYPE_CHECKING:
     from lantau.engine.async_llm import AsyncLLM
@@ -125,8 +126,8 @@ def infer_response(
 
 
 class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """Health, metadata, config, inference and (with a model repository) its index, load and
-    unload; statistics and shared memory are left UNIMPLEMENTED by the base class."""
+    """Health, metadata, config, inference, statistics and (with a model repository) its
+    index, load and unload; shared memory is left UNIMPLEMENTED by the base class."""
 
     def __init__(
         self,
@@ -134,10 +135,19 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         is_ready: Callable[[], bool],
         control: ModelManager | None = None,
         metrics=None,
+        statistics: Callable[[], list] | None = None,
     ) -> None:
         self.router, self.models, self.is_ready = router, KServeModels(router), is_ready
         self.control = control
         self.metrics = metrics
+        self.statistics = statistics  # the engines' figures (server/statistics.py)
+
+    async def ModelStatistics(self, request, context) -> service_pb2.ModelStatisticsResponse:
+        try:
+            body = model_statistics(self.statistics, request.name, request.version)
+        except KServeError as e:
+            await abort(context, e)
+        return json_format.ParseDict(body, service_pb2.ModelStatisticsResponse())
 
     async def ServerLive(self, request, context) -> service_pb2.ServerLiveResponse:
         return service_pb2.ServerLiveResponse(live=self.router.is_live())
@@ -352,6 +362,7 @@ async def start_grpc_server(
     max_message_bytes: int = 4 << 20,
     control: ModelManager | None = None,
     metrics=None,
+    statistics: Callable[[], list] | None = None,
 ) -> grpc.aio.Server:
     """Serve `inference.GRPCInferenceService` on host:port; stop it with `await server.stop(s)`.
     A request message is capped as an HTTP body is (`max_message_bytes`)."""
@@ -365,7 +376,7 @@ async def start_grpc_server(
     router = as_router(engine, model_name, is_ready)
     if metrics is None and not isinstance(engine, ModelRouter):
         metrics = getattr(engine, "metrics", None)
-    service = InferenceService(router, is_ready, control, metrics)
+    service = InferenceService(router, is_ready, control, metrics, statistics)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     bound_port = server.add_insecure_port(f"{host}:{port}")
     await server.start()

@@ -65,7 +65,9 @@ T = TypeVar("T")
 
 MODEL_VERSION = "1"  # a fixed model's (lantau serve MODEL) one version
 OUTPUT_NAME = "text_output"
-SERVER_EXTENSIONS = ("binary_tensor_data", "parameters", "model_configuration", "generate")
+SERVER_EXTENSIONS = (
+    "binary_tensor_data", "parameters", "model_configuration", "generate", "statistics"
+)  # fmt: skip
 GenerateParameters = dict[str, Scalar] | None
 
 
@@ -612,9 +614,13 @@ def make_kserve_router(
     is_ready: Callable[[], bool] | None = None,
     *,
     max_body_bytes: int = 64 << 20,
+    statistics: Callable[[], list] | None = None,
 ) -> APIRouter:
     """The KServe v2 HTTP routes for a router's models (or one engine named `model_name`);
-    `is_ready` answers the server's readiness probes."""
+    `is_ready` answers the server's readiness probes; `statistics`: the engines' figures
+    (server/statistics.py), None with metrics off."""
+    from lantau.server.statistics import model_statistics
+
     router_ = as_router(engine, model_name, is_ready)
     models = KServeModels(router_)
     is_server_ready = is_ready or (lambda: True)
@@ -703,10 +709,14 @@ def make_kserve_router(
             events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
+    async def stats(name: str = "", version: str = "") -> Response:
+        return json_response(model_statistics(statistics, name, version))
+
     routes: list[tuple[str, Callable, str]] = [
         ("/v2", server_meta, "GET"),
         ("/v2/health/live", live, "GET"),
         ("/v2/health/ready", ready, "GET"),
+        ("/v2/models/stats", stats, "GET"),  # NOTE: before the model named "stats"
     ]
     # NOTE: `{name:path}` swallows slashes, so the longer patterns must be tried first
     for prefix in ("/v2/models/{name:path}/versions/{version}", "/v2/models/{name:path}"):
@@ -716,6 +726,7 @@ def make_kserve_router(
             (f"{prefix}/infer", infer, "POST"),
             (f"{prefix}/generate", generate, "POST"),
             (f"{prefix}/generate_stream", generate_stream, "POST"),
+            (f"{prefix}/stats", stats, "GET"),
         ]
     routes += [
         ("/v2/models/{name:path}/versions/{version}", model_metadata, "GET"),
