@@ -44,6 +44,7 @@ class SamplingParams:
 
     n: int = 1
     max_tokens: int = 16
+    min_tokens: int = 0  # none of EOS, stop_token_ids or stop strings ends it before these
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -90,6 +91,11 @@ class SamplingParams:
         return [
             ("n", _is_int(self.n, 1), "must be an integer >= 1"),
             ("max_tokens", _is_int(self.max_tokens, 1), "must be an integer >= 1"),
+            (
+                "min_tokens",
+                _is_int(self.min_tokens, 0) and self.min_tokens <= self.max_tokens,
+                "must be an integer in [0, max_tokens]",
+            ),
             ("temperature", _is_number(self.temperature, 0.0), "must be a finite number >= 0"),
             ("top_k", _is_int(self.top_k, -1), "must be -1, 0 or >= 1"),
             ("top_p", _is_number(self.top_p, 0.0, 1.0) and self.top_p > 0, "must be in (0, 1]"),
@@ -235,6 +241,8 @@ class Request:
         """Finish reason after the last appended token, from token ids and lengths only."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
+        if len(self.output_token_ids) <= params.min_tokens:  # the sampler banned them so far
+            return FinishReason.LENGTH if self.num_tokens >= self.max_num_tokens else None
         if not params.ignore_eos and last in self.eos_token_ids:
             return FinishReason.STOP
         if last in params.stop_token_ids:

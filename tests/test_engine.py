@@ -8,6 +8,7 @@ import random
 import pytest
 
 from lantau import LLM, SamplingParams
+from lantau.errors import InvalidRequestError
 
 
 def random_prompts(num: int, seed: int = 0, max_len: int = 100) -> list[list[int]]:
@@ -158,6 +159,62 @@ def test_stop_token_ids_eos_and_max_tokens(tiny_llama_dir):
     assert short[0].outputs[0].token_ids == tokens[:2]
     assert short[0].outputs[0].finish_reason == "length"
     check_clean(llm)
+
+
+def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings(tiny_llama_dir, tmp_path):
+    """min_tokens (vLLM's): EOS and stop tokens are banned from the first min_tokens outputs
+    (the greedy pick moves to the next best), stop strings are not looked for in them; past
+    them each ends the sequence as before. A model whose EOS is the greedy's first token."""
+    import transformers
+
+    from tests.conftest import TINY_LLAMA, save_tiny_hf_model
+
+    prompt = {"prompt_token_ids": random_prompts(1, seed=4)[0]}
+    plain = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+    free = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tokens = free[0].outputs[0].token_ids
+    eos = tokens[0]
+    save_tiny_hf_model(tmp_path, transformers.LlamaConfig(**{**TINY_LLAMA, "eos_token_id": eos}))
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64)
+    ended = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert ended.token_ids == [eos] and ended.finish_reason == "stop"
+    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=4))
+    out = held[0].outputs[0].token_ids
+    assert len(out) >= 5 and eos not in out[:4] and (len(out) == 12 or out[-1] == eos)
+    # the same, stop tokens and sampled rows too, on the plain model
+    stop_token = tokens[1]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token], min_tokens=3),
+        SamplingParams(
+            temperature=1.0,
+            top_k=1,
+            seed=3,
+            max_tokens=12,
+            min_tokens=3,
+            stop_token_ids=[stop_token],
+        ),  # fmt: skip
+    ):
+        out = plain.generate(prompt, params)[0].outputs[0]
+        assert len(out.token_ids) >= 4 and stop_token not in out.token_ids[:3]
+        assert out.token_ids[0] == tokens[0]  # only the banned token's pick moved
+    no_ban = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
+                                                   ignore_eos=True))  # fmt: skip
+    assert no_ban[0].outputs[0].token_ids == tokens  # nothing to ban: the free greedy tokens
+    # stop strings (a model with a tokenizer: random:tiny borrows the default model's)
+    worded = LLM("random:tiny", device="cpu", num_kv_blocks=64, max_model_len=512)
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    words = worded.generate("Once upon", SamplingParams(**greedy))[0].outputs[0]
+    stop = words.text[len(words.text) // 3 :][:2]
+    cut = worded.generate("Once upon", SamplingParams(**greedy, stop=[stop]))[0].outputs[0]
+    late = worded.generate("Once upon", SamplingParams(**greedy, stop=[stop], min_tokens=12))
+    assert cut.finish_reason == "stop" and len(cut.token_ids) < 12
+    assert late[0].outputs[0].token_ids == words.token_ids
+    assert late[0].outputs[0].finish_reason == "length"
+    check_clean(worded)
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    check_clean(llm)
+    check_clean(plain)
 
 
 def test_max_model_len_ends_with_length(tiny_llama_dir):

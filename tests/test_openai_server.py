@@ -401,6 +401,35 @@ def test_features_asked_off_are_accepted(client):
     assert out.usage.completion_tokens == 3
 
 
+def test_vllm_extras_min_tokens_and_stop_strings_kept(client, offline):
+    """vLLM's min_tokens, include_stop_str_in_output and skip_special_tokens in the body:
+    the offline engine's outputs for the same SamplingParams."""
+    prompt = "Once upon"
+    free = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    extras = [
+        dict(min_tokens=12, stop_token_ids=[free.token_ids[1]]),
+        dict(stop=[free.text[4:6]], include_stop_str_in_output=True),
+        dict(skip_special_tokens=False),
+    ]
+    outs = []
+    for extra in extras:
+        ref = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=12, **extra))
+        args = {k: v for k, v in extra.items() if k != "stop"}
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=extra.get("stop"),
+            extra_body=args,
+        )  # fmt: skip
+        assert out.choices[0].text == ref[0].outputs[0].text, extra
+        assert out.usage.completion_tokens == len(ref[0].outputs[0].token_ids)
+        outs.append(out)
+    assert outs[0].usage.completion_tokens == 12  # min_tokens held the stop token off
+    kept = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[free.text[4:6]],
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].text.endswith(free.text[4:6])
+
+
 def test_async_client_concurrent_streams(server, offline):
     async def one(aclient, i):
         stream = await aclient.completions.create(

@@ -357,6 +357,30 @@ def test_logit_bias_forces_and_bans_tokens_in_a_sampled_batch() -> None:
     assert Sampler().sample(logits, greedy, greedy_ids=top).resolve().token_ids == [3] * 6
 
 
+def test_banned_tokens_are_never_picked() -> None:
+    """A row's banned tokens (min_tokens' EOS and stop tokens) lose to anything, a +100 bias
+    on one of them included; the graph's greedy pick is not taken for such a batch."""
+    logits = torch.randn(3, 40, generator=seeded(9))
+    top = logits.argmax(dim=-1)
+    second = logits.topk(2).indices[:, 1]
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0), None, [], [], banned=(int(top[0]),)),
+        SamplingRow(
+            SamplingParams(temperature=0.0, logit_bias={int(top[1]): 100.0}),
+            None,
+            [],
+            [],
+            banned=(int(top[1]), 39),
+        ),  # fmt: skip
+        SamplingRow(
+            SamplingParams(temperature=1.0, top_k=1), seeded(1), [], [], banned=(int(top[2]),)
+        ),
+    ]
+    out = Sampler().sample(logits, rows, greedy_ids=top).resolve()
+    assert out.token_ids == second.tolist()
+    assert torch.isinf(process_logits(logits, rows)[0, top[0]])
+
+
 def test_logit_bias_is_validated() -> None:
     assert SamplingParams(logit_bias={}).logit_bias is None
     assert SamplingParams(logit_bias={5: 1}).processes_logits

@@ -396,12 +396,12 @@ def test_a_step_reaches_the_workers_whole():
         repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.4, seed=9,
         stop=("x", "yz"), stop_token_ids=(3, 4), ignore_eos=True,
         include_stop_str_in_output=True, logprobs=3, skip_special_tokens=False,
-        detokenize=False, logit_bias={5: -100.0, 7: 2.5}, prompt_logprobs=2,
+        detokenize=False, logit_bias={5: -100.0, 7: 2.5}, prompt_logprobs=2, min_tokens=2,
     )  # fmt: skip
     assert all(getattr(params, f) != getattr(SamplingParams(), f)
                for f in SamplingParams.__dataclass_fields__)  # fmt: skip
     out = SchedulerOutput(
-        scheduled_new_reqs=[NewRequestData("a#0", [1, 2, 3], 2, params, [4, 5], 1)],
+        scheduled_new_reqs=[NewRequestData("a#0", [1, 2, 3], 2, params, [4, 5], 1, (2, 9))],
         scheduled_cached_reqs=[CachedRequestData("b#1", [9], 40)],
         num_scheduled_tokens={"a#0": 2, "b#1": 1},
         finished_req_ids={"c#0"},

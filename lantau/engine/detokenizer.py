@@ -30,13 +30,18 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop_reason: str | None = None
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
+        self._num_tokens = 0  # no stop string before params.min_tokens of them
 
     def add_token(self, token_id: int) -> bool:
         """Append one token; True when a stop string ended the sequence."""
         if self.fold_ids_at is not None and token_id >= self.fold_ids_at:
             token_id %= self.fold_ids_at
         delta = self._stream.step(self._backend, token_id)
+        self._num_tokens += 1
         if not delta:
+            return False
+        if self._num_tokens <= self.params.min_tokens:
+            self.text += delta
             return False
         search_from = max(0, len(self.text) - self._max_stop_len + 1)
         self.text += delta

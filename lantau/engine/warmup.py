@@ -34,7 +34,7 @@ SAMPLED = (
     SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.1, ignore_eos=True),
     SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.5, ignore_eos=True),
     SamplingParams(temperature=0.0, logprobs=5, prompt_logprobs=5, ignore_eos=True),
-    SamplingParams(temperature=0.0, logit_bias={0: -100.0, 1: 5.0}, ignore_eos=True),
+    SamplingParams(temperature=0.0, logit_bias={0: -100.0, 1: 5.0}, min_tokens=2),
 )
 
 

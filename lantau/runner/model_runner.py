@@ -50,6 +50,7 @@ class CachedRequestState:
     params: SamplingParams
     row: int  # its row of ModelRunner.block_table
     num_blocks: int = 0
+    eos_token_ids: tuple[int, ...] = ()
     # its prompt's logprobs so far (None for the first token), while it collects them: from
     # its first scheduling to its first sample
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -255,7 +256,7 @@ class ModelRunner:
             self._drop(new.request_id)  # a resumed request's old state, if any
             self.states[new.request_id] = CachedRequestState(
                 list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                self.block_table.add(new.block_ids), len(new.block_ids),
+                self.block_table.add(new.block_ids), len(new.block_ids), new.eos_token_ids,
             )  # fmt: skip
             if new.sampling_params.prompt_logprobs is not None and (
                 len(new.token_ids) == new.num_prompt_tokens and new.num_computed_tokens == 0
@@ -478,6 +479,7 @@ class ModelRunner:
                     generator=self.generators.get(request_id),
                     prompt_token_ids=state.token_ids[:n] if history else [],
                     output_token_ids=state.token_ids[n:] if history else [],
+                    banned=self._banned(state),
                 )
             )
         step.sampled = self.sampler.sample(step.logits, rows, greedy_ids=step.greedy_ids)
@@ -486,6 +488,16 @@ class ModelRunner:
         self._last = 1 - self._last
         if step.sampled.token_ids is not step.greedy_ids:  # else the graph wrote them there
             self.token_ids[self._last][: len(rows)].copy_(step.sampled.token_ids)
+
+    @staticmethod
+    def _banned(state: CachedRequestState) -> tuple[int, ...]:
+        """What its next token may not be: EOS and its stop tokens while it has fewer than
+        min_tokens outputs (every earlier step is collected: its tokens are all here)."""
+        params = state.params
+        if len(state.token_ids) - state.num_prompt_tokens >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else state.eos_token_ids
+        return (*eos, *params.stop_token_ids)
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for the step's token ids and append them to the requests' histories."""

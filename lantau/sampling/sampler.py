@@ -45,6 +45,7 @@ class SamplingRow:
     generator: torch.Generator | None  # per-request seeded generator; None: the shared one
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    banned: tuple[int, ...] = ()  # tokens it may not pick now (EOS and stop tokens, min_tokens)
 
 
 @dataclass
@@ -173,10 +174,21 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     return logits.index_put(index, to_device(values, device, logits.dtype), accumulate=True)
 
 
+def ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's banned tokens at -inf (a new tensor; `logits` as it is when none is)."""
+    if not any(r.banned for r in rows):
+        return logits
+    row_ids = [i for i, r in enumerate(rows) for _ in r.banned]
+    token_ids = [t for r in rows for t in r.banned]
+    device = logits.device
+    index = (to_device(row_ids, device, torch.int64), to_device(token_ids, device, torch.int64))
+    return logits.index_put(index, torch.tensor(float("-inf"), device=device))
+
+
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The logits each row samples from: penalties, then logit bias; float32, the input is
-    not modified (logprobs are the raw logits')."""
-    return apply_logit_bias(apply_penalties(logits, rows), rows)
+    """The logits each row samples from: penalties, logit bias, banned tokens; float32, the
+    input is not modified (logprobs are the raw logits')."""
+    return ban_tokens(apply_logit_bias(apply_penalties(logits, rows), rows), rows)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -329,7 +341,7 @@ class Sampler:
         device = logits.device
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if not sampled and not any(r.params.processes_logits for r in rows):
+        if not sampled and not any(r.params.processes_logits or r.banned for r in rows):
             # argmax of the logits as they are: a float32 copy orders (and ties) the same
             token_ids = self._argmax(logits) if greedy_ids is None else greedy_ids
             return self._pending(logits, rows, token_ids)

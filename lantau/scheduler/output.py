@@ -18,6 +18,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # tokens already in the cache (prefix hits) before this step
+    eos_token_ids: tuple[int, ...] = ()  # banned with stop_token_ids before min_tokens
 
 
 @dataclass

@@ -217,6 +217,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_cache.block_ids(request.request_id),
                     num_computed_tokens=num_cached,
+                    eos_token_ids=tuple(request.eos_token_ids),
                 )
             )
             self._commit(request, num_new, out)

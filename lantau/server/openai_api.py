@@ -116,7 +116,8 @@ def _first(*values: Any) -> Any:
 
 def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParams:
     """OpenAI fields, logit_bias too (plus vLLM's extras: top_k, min_p, repetition_penalty,
-    ignore_eos); InvalidRequestError names a field out of range."""
+    ignore_eos, min_tokens, include_stop_str_in_output, skip_special_tokens);
+    InvalidRequestError names a field out of range."""
     prompt_logprobs = None
     if isinstance(body, ChatRequest):
         # NOTE: max_completion_tokens replaces max_tokens; 0 is refused by the schema
@@ -141,6 +142,9 @@ def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParam
         stop=_first(body.stop, ()),
         stop_token_ids=_first(body.stop_token_ids, ()),
         ignore_eos=_first(body.ignore_eos, False),
+        min_tokens=_first(body.min_tokens, 0),
+        include_stop_str_in_output=_first(body.include_stop_str_in_output, False),
+        skip_special_tokens=_first(body.skip_special_tokens, True),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=body.logit_bias,

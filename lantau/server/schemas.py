@@ -81,6 +81,9 @@ class OpenAIRequest(Struct):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=INT64_MAX)] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     priority: Int64 | None = None
