@@ -291,6 +291,22 @@ def test_grpc_stop_words_match_offline(grpc_client, offline, expected):
     assert "".join(text_output(r) for r in by_id["s"]) == reference.text
 
 
+def test_grpc_min_length_holds_off_stop_words(grpc_client, offline, expected):
+    """TensorRT-LLM's min_length tensor is min_tokens: a stop word in the first min_length
+    tokens does not end the text."""
+    prompt = PROMPTS[1]
+    stop = " ".join(expected[prompt].split()[:2])
+    inputs = stop_words_inputs(prompt, stop, stream=False)
+    tensor = grpcclient.InferInput("min_length", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[MAX_TOKENS]], dtype=np.int32))
+    reference = offline.generate(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop], min_tokens=MAX_TOKENS),
+    )[0].outputs[0]
+    assert reference.finish_reason == "length" and reference.text == expected[prompt]
+    assert text_output(grpc_client.infer(MODEL_NAME, [*inputs, tensor])) == reference.text
+
+
 def collect_stream(grpc_client, requests: list[dict], timeout: float = 30.0) -> dict:
     """Send each request on one stream; responses by request id until each one is final."""
     responses: queue.Queue = queue.Queue()

@@ -108,6 +108,7 @@ INPUT_SPECS = {
     for spec in (
         InputSpec("text_input", "BYTES", str),
         InputSpec("max_tokens", "INT32", int, "max_tokens"),
+        InputSpec("min_length", "INT32", int, "min_tokens"),  # TRT-LLM's name
         InputSpec("temperature", "FP32", float, "temperature"),
         InputSpec("top_p", "FP32", float, "top_p"),
         InputSpec("top_k", "INT32", int, "top_k"),
