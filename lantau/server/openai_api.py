@@ -385,32 +385,44 @@ class OpenAIServer:
                 body["usage"] = usage
             return b"data: " + orjson.dumps(body) + b"\n\n"
 
+        detailed = echo is not None or params.logprobs is not None
+
         def delta_of(part: RequestOutput, o) -> dict | None:
             """The choice chunk for one sequence's new text, held back near stop strings;
             None when it has nothing new (or has ended already: a finished sequence stays in
-            its request's outputs while the others run on)."""
-            if o.index in ended:
+            its request's outputs while the others run on). NOTE: once a token a stream:
+            kept lean."""
+            i, reason, text = o.index, o.finish_reason, o.text
+            if i in ended:
                 return None
-            done = o.finish_reason is not None
-            end = len(o.text) if done else max(sent[o.index], len(o.text) - hold)
-            delta = o.text[sent[o.index] : end]
-            if not delta and not done:
+            start = sent[i]
+            end = len(text) if reason is not None else max(start, len(text) - hold)
+            if end == start and reason is None:
                 return None
-            first = sent[o.index] == 0 and sent_tokens[o.index] == 0
-            offset = sent[o.index]
+            delta, logprobs = text[start:end], None
+            if detailed:
+                delta, logprobs = details(part, o, start, delta)
+            sent[i] = end
+            if reason is not None:
+                ended.add(i)
+            if chat:
+                return {
+                    "index": i, "delta": {"content": delta}, "finish_reason": reason,
+                    "logprobs": logprobs,
+                }  # fmt: skip
+            return {"index": i, "text": delta, "finish_reason": reason, "logprobs": logprobs}
+
+        def details(part: RequestOutput, o, start: int, delta: str) -> tuple[str, dict | None]:
+            """A chunk's echoed prompt (before its first text) and its tokens' logprobs."""
+            i, offset = o.index, start
             if echo is not None:
-                if first:  # its first chunk: the prompt first
-                    delta = echo[o.index // params.n] + delta
+                if start == 0 and sent_tokens[i] == 0:  # its first chunk: the prompt first
+                    delta = echo[i // params.n] + delta
                 else:
-                    offset += len(echo[o.index // params.n])
-            logprobs = reply.logprobs(part, o, sent_tokens[o.index], offset)
-            sent[o.index], sent_tokens[o.index] = end, len(o.token_ids)
-            if done:
-                ended.add(o.index)
-            body = {"delta": {"content": delta}} if chat else {"text": delta}
-            return {
-                "index": o.index, **body, "finish_reason": o.finish_reason, "logprobs": logprobs
-            }  # fmt: skip
+                    offset += len(echo[i // params.n])
+            logprobs = reply.logprobs(part, o, sent_tokens[i], offset)
+            sent_tokens[i] = len(o.token_ids)
+            return delta, logprobs
 
         if chat:
             yield chunk(
