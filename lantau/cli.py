@@ -160,6 +160,10 @@ def serve(args: argparse.Namespace) -> int:
     if isinstance(repository, str):
         print(f"lantau serve: {repository}", file=sys.stderr)
         return 2
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        print("lantau serve: --enable-auto-tool-choice and --tool-call-parser go together",
+              file=sys.stderr)  # fmt: skip
+        return 2
     engine_args = serve_engine_args(args)
     if args.step_log:  # NOTE: before any engine core spawns: they read it from the environment
         from lantau import envs
@@ -191,6 +195,7 @@ def serve(args: argparse.Namespace) -> int:
         live_max_silence_s=args.liveness_timeout,
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
+        tool_call_parser=args.tool_call_parser,
         enable_metrics=args.enable_metrics,
         metrics_buckets=tuple(args.metrics_buckets or ()),
         log_requests=args.log_requests,
@@ -496,6 +501,16 @@ def make_parser() -> argparse.ArgumentParser:
         type=int,
         default=20,
         help="top logprobs a token may ask (OpenAI's limits, 5 and 20, hold below it)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="chat requests' `tools`: to the chat template, calls read back from the answer",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        help="the model family's tool-call format (with --enable-auto-tool-choice)",
     )
     _add_observability_args(p)
     p.set_defaults(func=serve)

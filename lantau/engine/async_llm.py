@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jinja2
 import msgspec
+import orjson
 import zmq
 import zmq.asyncio
 
@@ -259,18 +260,23 @@ class AsyncLLM:
             return await asyncio.to_thread(self.tokenize, prompt)
         return self.tokenize(prompt)
 
-    async def encode_chat(self, conversation: list[dict]) -> list[int]:
+    async def encode_chat(
+        self, conversation: list[dict], tools: list[dict] | None = None
+    ) -> list[int]:
         """A conversation's prompt token ids through the chat template (off the event loop
-        when long); InvalidRequestError when it cannot fit, or there is no template."""
+        when long), with the tools (OpenAI's, as HF templates take them) if any;
+        InvalidRequestError when it cannot fit, or there is no template."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages", "this model has no chat template")
-        num_chars = sum(len(m["content"]) for m in conversation)
+        num_chars = sum(len(m["content"] or "") for m in conversation)
+        if tools or any("tool_calls" in m for m in conversation):  # their JSON is rendered too
+            num_chars += len(orjson.dumps([tools, [m.get("tool_calls") for m in conversation]]))
         self.check_prompt_chars(num_chars, "messages")
 
         def encode() -> list[int]:
             try:
                 text = self.tokenizer.apply_chat_template(
-                    conversation, tokenize=False, add_generation_prompt=True
+                    conversation, tools=tools, tokenize=False, add_generation_prompt=True
                 )
             except jinja2.TemplateError as e:  # the template's raise_exception (roles, order)
                 raise InvalidRequestError(

@@ -25,6 +25,7 @@ from lantau.server.models import ModelRouter, SingleModelRouter
 from lantau.server.observability import RequestIdMiddleware
 from lantau.server.openai_api import error_response, json_response, make_openai_router
 from lantau.server.schemas import RequestLimits
+from lantau.server.tool_calls import tool_parser
 
 if TYPE_CHECKING:
     from lantau.server.model_control import ModelManager
@@ -52,6 +53,7 @@ class ServerConfig:
     live_max_silence_s: float = 30.0  # liveness fails once the core is silent this long
     max_n: int = 128  # samples one request may ask for (`n`)
     max_logprobs: int = 20  # top logprobs one token may ask for (under OpenAI's own limits)
+    tool_call_parser: str | None = None  # chat `tools` served (server/tool_calls.py); None: 400
     enable_metrics: bool = True  # /metrics; off: nothing timed or counted (for A/B runs)
     metrics_buckets: tuple[str, ...] = ()  # --metrics-buckets NAME=B1,B2,... overrides
     log_requests: bool = False  # one JSON line per inference request on stderr
@@ -181,7 +183,15 @@ def build_app(
             stats["models"] = control.status()
         return json_response(stats)
 
-    app.include_router(make_openai_router(router, None, config.max_body_bytes, config.limits))
+    app.include_router(
+        make_openai_router(
+            router,
+            None,
+            config.max_body_bytes,
+            config.limits,
+            tool_parser=tool_parser(config.tool_call_parser),
+        )  # fmt: skip
+    )
     try:
         from lantau.server.kserve_http import make_kserve_router
     except ImportError:  # NOTE: the KServe routes land separately; OpenAI serves without them

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -35,6 +36,7 @@ from lantau.server.schemas import (
     RequestLimits,
     decode,
 )
+from lantau.server.tool_calls import ToolCall, ToolParser
 
 
 class APIError(Exception):
@@ -97,16 +99,32 @@ def refuse_unsupported(body: ChatRequest | CompletionRequest) -> None:
         if body.best_of is not None and body.best_of > _first(body.n, 1):
             raise InvalidRequestError("best_of", "is not supported beyond n")
         return
-    for field in ("tools", "functions"):
-        if getattr(body, field):
-            raise InvalidRequestError(field, "tool calling is not supported by this server")
-    for field in ("tool_choice", "function_call"):
-        if getattr(body, field) not in (None, "none"):
-            raise InvalidRequestError(field, "tool calling is not supported by this server")
+    if body.functions:
+        raise InvalidRequestError("functions", "the legacy functions are not supported: use tools")
+    if body.function_call not in (None, "none", "auto"):
+        raise InvalidRequestError("function_call", "the legacy functions are not supported")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequestError(
+            "tool_choice",
+            "only 'auto' or 'none': forcing a call ('required', a named function) needs "
+            "guided decoding, which this server does not do",
+        )
     if body.modalities is not None and set(body.modalities) - {"text"}:
         raise InvalidRequestError("modalities", "only 'text' is supported")
     if body.audio is not None:
         raise InvalidRequestError("audio", "audio output is not supported")
+
+
+def _template_call(call, field: str) -> dict:
+    """An earlier tool call as chat templates take it: its arguments an object."""
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments) if arguments.strip() else {}
+        except orjson.JSONDecodeError:
+            raise InvalidRequestError(f"{field}.function.arguments", "not a JSON object") from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function}
 
 
 def _first(*values: Any) -> Any:
@@ -218,10 +236,29 @@ def _held_back(params: SamplingParams) -> int:
 
 
 class OpenAIServer:
-    def __init__(self, router: ModelRouter, max_body_bytes: int, limits: RequestLimits) -> None:
+    def __init__(
+        self,
+        router: ModelRouter,
+        max_body_bytes: int,
+        limits: RequestLimits,
+        tool_parser: ToolParser | None = None,
+    ) -> None:
         self.router = router
         self.max_body_bytes = max_body_bytes
         self.limits = limits
+        self.tool_parser = tool_parser  # chat `tools` served (--tool-call-parser); None: 400
+
+    def tools_of(self, body: ChatRequest) -> list[dict] | None:
+        """The tools a chat request gives its template and reads calls of (None: none)."""
+        if not body.tools or body.tool_choice == "none":
+            return None
+        if self.tool_parser is None:
+            raise InvalidRequestError(
+                "tools",
+                "tool calling is off on this server: start it with --enable-auto-tool-choice "
+                "--tool-call-parser NAME",
+            )
+        return msgspec.to_builtins(body.tools)
 
     def get_model(self, model: str | None) -> ServedModel:
         """The model a request names (None: the default one)."""
@@ -237,7 +274,12 @@ class OpenAIServer:
         conversation = []
         for i, m in enumerate(body.messages):
             content = m.content
-            if not isinstance(content, str):  # content parts: text only
+            if content is None and not m.tool_calls:
+                raise InvalidRequestError(
+                    f"messages[{i}].content",
+                    "expected a string or an array, got null (null only beside tool_calls)",
+                )
+            if isinstance(content, list):  # content parts: text only
                 for j, part in enumerate(content):
                     if part.type != "text":
                         raise InvalidRequestError(
@@ -245,7 +287,17 @@ class OpenAIServer:
                             f"{part.type!r} is not supported: this server's models read text",
                         )
                 content = "".join(p.text or "" for p in content)
-            conversation.append({"role": m.role, "content": content})
+            message: dict[str, Any] = {"role": m.role, "content": content}
+            if m.tool_calls:
+                message["tool_calls"] = [
+                    _template_call(call, f"messages[{i}].tool_calls[{j}]")
+                    for j, call in enumerate(m.tool_calls)
+                ]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            conversation.append(message)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template", "messages")
         return conversation
@@ -285,10 +337,12 @@ class OpenAIServer:
             served = self.get_model(body.model)
             engine = served.engine  # the version serving now: its tokenizer (NOTE: not pinned)
             params = sampling_params_from(body)
-            echo = None
+            echo = tools = None
             if chat:  # the template and tokenizer run off the event loop when it is long
                 conversation = self.chat_prompt(body, engine.tokenizer)
-                prompts = [{"prompt_token_ids": await engine.encode_chat(conversation)}]
+                tools = self.tools_of(body)
+                ids = await engine.encode_chat(conversation, tools)
+                prompts = [{"prompt_token_ids": ids}]
             else:
                 prompts = self.completion_prompts(body)
                 if len(prompts) > 1 and len(prompts) * params.n > engine.max_pending_requests:
@@ -313,6 +367,9 @@ class OpenAIServer:
         else:
             results = _batch(served, request_id, prompts, params, priority)
         reply = Reply(request_id, served.name, engine.tokenizer, chat, params, len(prompts), echo)
+        if tools:
+            reply.tool_parser = self.tool_parser
+            reply.tool_names = {t["function"]["name"] for t in tools}
         try:  # the first output: admission, validation and engine errors surface before a stream
             async with asyncio.timeout_at(deadline):
                 first = await anext(results)
@@ -338,7 +395,13 @@ class OpenAIServer:
         for o in output.outputs:
             choice: dict[str, Any] = {"index": o.index, "finish_reason": o.finish_reason}
             if reply.chat:
-                choice["message"] = {"role": "assistant", "content": o.text}
+                content, calls = reply.tool_calls(o)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["content"] = content if content.strip() else None
+                    choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
+                    if o.finish_reason == "stop":
+                        choice["finish_reason"] = "tool_calls"
             else:
                 prompt = reply.echo[o.index // reply.params.n] if reply.echo else ""
                 choice["text"] = prompt + o.text
@@ -386,6 +449,7 @@ class OpenAIServer:
             return b"data: " + orjson.dumps(body) + b"\n\n"
 
         detailed = echo is not None or params.logprobs is not None
+        tooled = reply.tool_parser is not None
 
         def delta_of(part: RequestOutput, o) -> dict | None:
             """The choice chunk for one sequence's new text, held back near stop strings;
@@ -395,6 +459,8 @@ class OpenAIServer:
             i, reason, text = o.index, o.finish_reason, o.text
             if i in ended:
                 return None
+            if tooled:
+                return tool_delta(part, o)
             start = sent[i]
             end = len(text) if reason is not None else max(start, len(text) - hold)
             if end == start and reason is None:
@@ -411,6 +477,29 @@ class OpenAIServer:
                     "logprobs": logprobs,
                 }  # fmt: skip
             return {"index": i, "text": delta, "finish_reason": reason, "logprobs": logprobs}
+
+        def tool_delta(part: RequestOutput, o) -> dict | None:
+            """delta_of for a request with tools: what may start a call is held back until
+            the answer ends; then its calls, in one chunk."""
+            i, reason, text, start = o.index, o.finish_reason, o.text, sent[o.index]
+            logprobs = None
+            if reason is None:
+                end = max(start, min(len(text) - hold, reply.tool_parser.streamable(text)))
+                if end == start:
+                    return None
+                delta: dict = {"content": text[start:end]}
+                sent[i] = end
+            else:
+                content, calls = reply.tool_calls(o)
+                delta = {"content": content[start:]}
+                if calls:
+                    delta["tool_calls"] = [c.to_openai(k) for k, c in enumerate(calls)]
+                    reason = "tool_calls" if reason == "stop" else reason
+                ended.add(i)
+            if params.logprobs is not None:
+                logprobs = reply.logprobs(part, o, sent_tokens[i], 0)
+                sent_tokens[i] = len(o.token_ids)
+            return {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
 
         def details(part: RequestOutput, o, start: int, delta: str) -> tuple[str, dict | None]:
             """A chunk's echoed prompt (before its first text) and its tokens' logprobs."""
@@ -464,6 +553,14 @@ class Reply:
     num_prompts: int = 1  # a batch's: choice p * n + i is prompt p's sample i
     echo: list[str] | None = None  # each prompt's text, to precede its choices' (`echo`)
     version: str | None = None  # a model repository's version (None: a fixed model)
+    tool_parser: ToolParser | None = None  # reads tool calls back from the answer
+    tool_names: set[str] = dataclasses.field(default_factory=set)  # the request's tools
+
+    def tool_calls(self, o) -> tuple[str, list[ToolCall]]:
+        """A finished choice's content and tool calls (none: its text, [])."""
+        if self.tool_parser is None:
+            return o.text, []
+        return self.tool_parser.extract(o.text, self.tool_names)
 
     def logprobs(self, part: RequestOutput, o, start: int, offset: int) -> dict | None:
         """A choice's logprobs from its token `start` on (OpenAI's shape for the route; None
@@ -633,10 +730,12 @@ def make_openai_router(
     model_name: str | None,
     max_body_bytes: int,
     limits: RequestLimits | None = None,
+    tool_parser: ToolParser | None = None,
 ) -> APIRouter:
-    """The OpenAI routes for a router's models (or one engine named `model_name`)."""
+    """The OpenAI routes for a router's models (or one engine named `model_name`);
+    `tool_parser`: chat `tools` served (--tool-call-parser)."""
     models = as_router(engine, model_name)
-    server = OpenAIServer(models, max_body_bytes, limits or RequestLimits())
+    server = OpenAIServer(models, max_body_bytes, limits or RequestLimits(), tool_parser)
     router = APIRouter()
 
     @router.get("/v1/models")

@@ -58,9 +58,34 @@ class ResponseFormat(Struct):
     type: str  # only "text": no guided decoding (json_object, json_schema are a 400)
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON object as text
+
+
+class MessageToolCall(Struct):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(Struct):
     role: str
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None  # null: an assistant's tool calls only
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, earlier
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
+
+
+class FunctionSpec(Struct):
+    name: Annotated[str, Meta(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema, for the template
+
+
+class ToolSpec(Struct):
+    function: FunctionSpec
+    type: str = "function"
 
 
 class OpenAIRequest(Struct):
@@ -110,7 +135,7 @@ class ChatRequest(OpenAIRequest):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
     # read only to refuse what this server does not do (openai_api.refuse_unsupported)
-    tools: list[Any] | None = None
+    tools: list[ToolSpec] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
