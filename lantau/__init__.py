@@ -18,7 +18,17 @@ _EXPORTS = {
     "ModelLoadError": "lantau.errors",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [*_EXPORTS, "version"]
+
+
+def version() -> str:
+    """The installed lantau's version (0.0.0 run from a source tree not installed)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("lantau")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
 
 
 def __getattr__(name: str):

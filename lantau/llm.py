@@ -77,19 +77,26 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them (with
+        OpenAI-shaped `tools`, as HF templates take them)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages", "this model has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": self.encode_chat(conv, add_generation_prompt)}
+            {"prompt_token_ids": self.encode_chat(conv, add_generation_prompt, tools)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params)
 
-    def encode_chat(self, conversation: list[dict], add_generation_prompt: bool = True):
+    def encode_chat(
+        self,
+        conversation: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -430,6 +430,45 @@ def test_vllm_extras_min_tokens_and_stop_strings_kept(client, offline):
     assert kept.choices[0].text.endswith(free.text[4:6])
 
 
+def test_tokenize_detokenize_and_version(server, offline):
+    """vLLM's /tokenize (a text, or a conversation through the chat template) and
+    /detokenize, against the offline engine's tokenizer; /version."""
+    import lantau
+
+    headers = {"x-api-key": API_KEY}
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{server}{path}", json=body, headers=headers, timeout=30)
+
+    text = "The weather today is sunny"
+    ids = offline.tokenizer.encode(text)
+    got = post("/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] == 512
+    assert got["token_strs"] == offline.tokenizer.convert_ids_to_tokens(ids)
+    plain = post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert plain["tokens"] == offline.tokenizer.encode(text, add_special_tokens=False)
+    conv = [{"role": "user", "content": "Say something nice."}]
+    chat = post("/tokenize", {"model": MODEL, "messages": conv}).json()
+    assert chat["tokens"] == offline.encode_chat(conv)
+    bare = post("/tokenize", {"messages": conv, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == offline.encode_chat(conv, add_generation_prompt=False)
+    assert bare["count"] < chat["count"]
+    back = post("/detokenize", {"tokens": ids}).json()
+    assert back == {"prompt": offline.tokenizer.decode(ids)}
+    for path, body, param in (
+        ("/tokenize", {"prompt": "x", "messages": conv}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "word " * 200_000}, "prompt"),  # cannot fit: not tokenized
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {}, "tokens"),
+    ):
+        r = post(path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert post("/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
+    assert httpx.get(f"{server}/version", headers=headers).json() == {"version": lantau.version()}
+
+
 def test_async_client_concurrent_streams(server, offline):
     async def one(aclient, i):
         stream = await aclient.completions.create(

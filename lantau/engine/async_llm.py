@@ -260,8 +260,23 @@ class AsyncLLM:
             return await asyncio.to_thread(self.tokenize, prompt)
         return self.tokenize(prompt)
 
+    async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text's token ids, whatever their count (`/tokenize`); off the event loop when
+        long, refused unread when it cannot fit max_model_len."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model has no tokenizer")
+        self.check_prompt_chars(len(text), "prompt")
+
+        def encode() -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        return await asyncio.to_thread(encode) if len(text) > OFF_LOOP_CHARS else encode()
+
     async def encode_chat(
-        self, conversation: list[dict], tools: list[dict] | None = None
+        self,
+        conversation: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """A conversation's prompt token ids through the chat template (off the event loop
         when long), with the tools (OpenAI's, as HF templates take them) if any;
@@ -276,8 +291,9 @@ class AsyncLLM:
         def encode() -> list[int]:
             try:
                 text = self.tokenizer.apply_chat_template(
-                    conversation, tools=tools, tokenize=False, add_generation_prompt=True
-                )
+                    conversation, tools=tools, tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                )  # fmt: skip
             except jinja2.TemplateError as e:  # the template's raise_exception (roles, order)
                 raise InvalidRequestError(
                     "messages", f"refused by the chat template: {e}"

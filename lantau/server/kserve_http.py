@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import importlib.metadata
 import itertools
 import logging
 import math
@@ -38,6 +37,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+import lantau
 from lantau.engine.async_llm import EngineDeadError, EngineOverloadedError
 from lantau.errors import InvalidRequestError
 from lantau.outputs import RequestOutput
@@ -182,13 +182,6 @@ def new_request_id(client_id: str) -> str:
         return engine_request_id("kserve")
     suffix = f"-{client_id[:64]}" if client_id else ""
     return f"kserve-{next(_request_ids)}{suffix}"
-
-
-def server_version() -> str:
-    try:
-        return importlib.metadata.version("lantau")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.0.0"
 
 
 def decode_bytes_tensor(raw: bytes) -> list[bytes]:
@@ -411,7 +404,7 @@ class KServeModel:
 
 
 def server_metadata() -> dict:
-    return {"name": "lantau", "version": server_version(), "extensions": SERVER_EXTENSIONS}
+    return {"name": "lantau", "version": lantau.version(), "extensions": SERVER_EXTENSIONS}
 
 
 class KServeModels:

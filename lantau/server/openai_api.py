@@ -20,6 +20,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+import lantau
 from lantau.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
 from lantau.errors import InvalidRequestError
 from lantau.outputs import RequestOutput
@@ -31,6 +32,8 @@ from lantau.server.observability import engine_request_id
 from lantau.server.schemas import (
     CHAT_DECODER,
     COMPLETION_DECODER,
+    DETOKENIZE_DECODER,
+    TOKENIZE_DECODER,
     ChatRequest,
     CompletionRequest,
     RequestLimits,
@@ -388,6 +391,52 @@ class OpenAIServer:
         if final is None:  # the client left; its request is aborted already
             return Response(status_code=499)
         return json_response(self._full_body(reply, final))
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a text's or a conversation's token ids, their count and the
+        model's max_model_len (so a client can see what fits before it asks)."""
+        try:
+            body = decode(TOKENIZE_DECODER, await read_body(request, self.max_body_bytes))
+            engine = self.get_model(body.model).engine
+            if (body.prompt is None) == (body.messages is None):
+                raise InvalidRequestError("prompt", "give either prompt or messages")
+            if body.messages is not None:
+                conversation = self.chat_prompt(body, engine.tokenizer)
+                tools = msgspec.to_builtins(body.tools) if body.tools else None
+                generation = _first(body.add_generation_prompt, True)
+                ids = await engine.encode_chat(conversation, tools, generation)
+            else:
+                special = _first(body.add_special_tokens, True)
+                ids = await engine.encode_text(body.prompt, special)
+        except APIError as e:
+            return error_response(e.status, e.message, e.param, e.kind)
+        except InvalidRequestError as e:
+            return error_response(400, str(e), e.field)
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return json_response(
+            {
+                "count": len(ids),
+                "max_model_len": engine.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }  # fmt: skip
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids' text."""
+        try:
+            body = decode(DETOKENIZE_DECODER, await read_body(request, self.max_body_bytes))
+            engine = self.get_model(body.model).engine
+            if engine.tokenizer is None:
+                raise InvalidRequestError("tokens", "this model has no tokenizer")
+            vocab = engine.config.model_config.vocab_size
+            if any(t >= vocab for t in body.tokens):
+                raise InvalidRequestError("tokens", f"must be token ids in [0, {vocab})")
+        except APIError as e:
+            return error_response(e.status, e.message, e.param, e.kind)
+        except InvalidRequestError as e:
+            return error_response(400, str(e), e.field)
+        return json_response({"prompt": engine.tokenizer.decode(body.tokens)})
 
     def _full_body(self, reply: Reply, output: RequestOutput) -> dict:
         choices = []
@@ -754,6 +803,18 @@ def make_openai_router(
                     }
                 )
         return json_response({"object": "list", "data": data})
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await server.tokenize(request)
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await server.detokenize(request)
+
+    @router.get("/version")
+    async def version() -> Response:
+        return json_response({"version": lantau.version()})
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -143,6 +143,24 @@ class ChatRequest(OpenAIRequest):
     audio: Any = None
 
 
+class TokenizeRequest(Struct):
+    """vLLM's /tokenize: a text (`prompt`) or a conversation (`messages`, through the chat
+    template with its tools)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    tools: list[ToolSpec] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(Struct):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
 # ---------------------------------------------------------------- KServe v2 HTTP
 
 Scalar = bool | int | float | str  # KServe parameter values
@@ -178,6 +196,8 @@ class InferHeader(Struct):
 # ---------------------------------------------------------------- decoding
 
 COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
+TOKENIZE_DECODER = msgspec.json.Decoder(TokenizeRequest)
+DETOKENIZE_DECODER = msgspec.json.Decoder(DetokenizeRequest)
 CHAT_DECODER = msgspec.json.Decoder(ChatRequest)
 INFER_HEADER_DECODER = msgspec.json.Decoder(InferHeader)
 OBJECT_DECODER = msgspec.json.Decoder(dict[str, Any])
