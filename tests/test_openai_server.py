@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -604,6 +605,37 @@ def test_fuzz_malformed_requests(server):
     ok = client.post(f"{server}/v1/completions", json={"prompt": "still alive", "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     wait_idle(server)
+
+
+def test_fuzz_tokenize_and_detokenize(server):
+    """/tokenize and /detokenize on any body: an answer or a 4xx naming what is wrong,
+    never a 5xx."""
+    client = httpx.Client(headers={"x-api-key": API_KEY}, timeout=30)
+    fields = ["model", "prompt", "messages", "tools", "tokens", "add_special_tokens",
+              "add_generation_prompt", "return_token_strs"]  # fmt: skip
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=8)
+    )
+    values = st.recursive(
+        scalars,
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+        max_leaves=8,
+    )
+    # NOTE: json, not orjson: integers past 64 bits and NaN too
+    bodies = st.dictionaries(st.sampled_from(fields), values, max_size=4).map(
+        lambda b: json.dumps(b).encode()
+    )
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=st.one_of(bodies, st.binary(max_size=32)), path=st.sampled_from(
+        ["/tokenize", "/detokenize"]))  # fmt: skip
+    def fuzz(body: bytes, path: str) -> None:
+        r = client.post(f"{server}{path}", content=body)
+        assert r.status_code == 200 or 400 <= r.status_code < 500, (body, r.status_code, r.text)
+        if r.status_code != 200:
+            assert "message" in r.json()["error"]
+
+    fuzz()
 
 
 def test_a_request_whose_first_output_is_its_last_ends_with_its_response():
