@@ -6,6 +6,7 @@ import enum
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from lantau.errors import InvalidRequestError
 
@@ -65,6 +66,9 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only (benchmarks), no text or stop strings
     # added to the token's logit before sampling (OpenAI's: -100 bans a token, 100 forces it)
     logit_bias: dict[int, float] | None = None
+    # the grammar the output follows (lantau/structured.py): {"json": schema}, {"json_object":
+    # true}, {"regex": ...}, {"choice": [...]} or {"grammar": lark}
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +82,10 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias", "must be a map of token ids to numbers")
         object.__setattr__(self, "logit_bias", dict(self.logit_bias or {}) or None)
         self._validate()
+        if self.structured_outputs is not None:
+            from lantau.structured import grammar_of
+
+            grammar_of(self.structured_outputs)  # InvalidRequestError if it is not valid
 
     def _validate(self) -> None:
         for name, ok, message in self._checks():
@@ -156,6 +164,7 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.logit_bias is not None
+            or self.structured_outputs is not None
         )
 
     @property

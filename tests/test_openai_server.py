@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -347,7 +348,7 @@ def test_n_samples_ending_apart_send_one_finish_reason_each(client, server):
         ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
         ("chat", dict(tool_choice="required"), "tool_choice"),
         ("chat", dict(functions=[{"name": "f"}]), "functions"),
-        ("chat", dict(response_format={"type": "json_object"}), "response_format"),
+        ("chat", dict(response_format={"type": "yaml"}), "response_format.type"),
         ("chat", dict(modalities=["text", "audio"]), "modalities"),
         ("chat", dict(audio={"voice": "alloy", "format": "wav"}), "audio"),
         (
@@ -373,8 +374,32 @@ def test_n_samples_ending_apart_send_one_finish_reason_each(client, server):
         (
             "completions",
             dict(extra_body={"response_format": {"type": "json_schema"}}),
-            "response_format",
+            "response_format.json_schema.schema",
         ),
+        (
+            "chat",
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "nope"}}},
+                    },
+                }
+            ),
+            "response_format",
+        ),  # fmt: skip
+        ("completions", dict(extra_body={"guided_regex": "("}), "guided_regex"),
+        (
+            "completions",
+            dict(extra_body={"structured_outputs": {"regex": "a", "json": {}}}),
+            "structured_outputs",
+        ),  # fmt: skip
+        (
+            "completions",
+            dict(extra_body={"guided_choice": ["a"], "guided_regex": "a"}),
+            "guided_choice",
+        ),  # fmt: skip
     ],
 )
 def test_features_not_served_are_refused_by_name(client, server, route, extra, field):
@@ -468,6 +493,57 @@ def test_tokenize_detokenize_and_version(server, offline):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert post("/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
     assert httpx.get(f"{server}/version", headers=headers).json() == {"version": lantau.version()}
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0,
+                                                          "maximum": 9}},
+    "required": ["answer", "n"], "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_structured_outputs(client, server, offline):
+    """response_format json_schema / json_object and vLLM's structured_outputs and guided_*:
+    the text follows the grammar, and is the offline engine's for the same grammar and seed
+    (streamed too); a batch mixing grammars and none leaves nothing behind."""
+    messages = [{"role": "user", "content": "Is it raining?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=1.0, seed=4, response_format=fmt
+    )
+    content = reply.choices[0].message.content
+    value = json.loads(content)
+    assert value["answer"] in ("yes", "no") and 0 <= value["n"] <= 9 and len(value) == 2
+    ref = offline.chat(messages, SamplingParams(
+        max_tokens=40, temperature=1.0, seed=4, structured_outputs={"json": SCHEMA}))  # fmt: skip
+    assert content == ref[0].outputs[0].text
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=1.0, seed=4,
+        response_format=fmt, stream=True,
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == content
+    # any object, pushed to the shortest by a bias: "{}" then EOS
+    eos = offline.engine.core.config.model_config.eos_token_ids[0]
+    close = offline.tokenizer.encode("}", add_special_tokens=False)[0]
+    empty = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0,
+        response_format={"type": "json_object"}, logit_bias={str(eos): 100, str(close): 50},
+    )  # fmt: skip
+    assert empty.choices[0].message.content == "{}"
+    assert empty.choices[0].finish_reason == "stop"
+    for extra, check in (
+        ({"structured_outputs": {"regex": "(cat|dog)s?"}}, r"(cat|dog)s?"),
+        ({"guided_choice": ["red", "green", "blue"]}, r"red|green|blue"),
+        ({"guided_regex": "[0-9]{3}-[0-9]{4}"}, r"[0-9]{3}-[0-9]{4}"),
+    ):
+        outs = client.completions.create(
+            model=MODEL, prompt=["Pick one:", "Another:"], max_tokens=12, temperature=0.9,
+            seed=1, n=2, extra_body=extra,
+        )  # fmt: skip
+        assert all(re.fullmatch(check, c.text) for c in outs.choices), (extra, outs.choices)
+        assert all(c.finish_reason == "stop" for c in outs.choices)
+    wait_idle(server)
 
 
 def test_async_client_concurrent_streams(server, offline):

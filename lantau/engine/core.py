@@ -12,6 +12,7 @@ update, one step at a time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -116,7 +117,9 @@ class EngineCore:
         self.on_step: Callable[[dict], None] | None = None
         self.last_batch_size = 0  # requests scheduled by the last step, for stats
         self.last_num_batched_tokens = 0
-        self.runner = ModelRunner(self.config, model, num_blocks, self.device)
+        self.runner = ModelRunner(
+            self.config, model, num_blocks, self.device, functools.partial(_tokenizer_json, source)
+        )
         if self.workers is not None:  # each call that moves state, repeated on the workers
             self.runner = SplitRunner(self.runner, self.workers)
         self.async_scheduling = config.async_scheduling
@@ -163,6 +166,8 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.last_arrival_s = time.monotonic()
         self.validate(request.prompt_token_ids, request.sampling_params)
+        if request.sampling_params.structured_outputs is not None:
+            self.runner.grammars.prepare()  # the first: its tokenizer (InvalidRequestError)
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         request.max_model_len = self.config.scheduler.max_model_len
@@ -288,3 +293,14 @@ class StepTimer:
         seconds = self.start.elapsed_time(self.end) / 1000
         pacer.timed(key, seconds)
         return seconds
+
+
+def _tokenizer_json(source: ModelSource) -> str:
+    """The model's tokenizer.json as text, for structured outputs' grammars."""
+    from lantau.model.source import load_tokenizer
+    from lantau.structured import tokenizer_json
+
+    tokenizer = load_tokenizer(source)
+    if tokenizer is None:
+        raise InvalidRequestError("structured_outputs", "this model has no tokenizer")
+    return tokenizer_json(tokenizer)

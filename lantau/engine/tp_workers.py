@@ -24,6 +24,7 @@ tightest rank holds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -298,7 +299,12 @@ def run_worker(
     num_blocks = agree_num_blocks(
         config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
     )
-    runner = ModelRunner(config.with_num_blocks(num_blocks), model, num_blocks, device)
+    from lantau.engine.core import _tokenizer_json
+
+    runner = ModelRunner(
+        config.with_num_blocks(num_blocks), model, num_blocks, device,
+        functools.partial(_tokenizer_json, source),
+    )  # fmt: skip
     _serve_rank_zero(runner, pipe)
     leave_group()
 

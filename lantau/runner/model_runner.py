@@ -20,6 +20,7 @@ the buffer, is called.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +42,7 @@ from lantau.sampling.sampler import (
     uses_penalties,
 )
 from lantau.scheduler.output import RunnerOutput, SchedulerOutput
+from lantau.structured import Grammars
 
 
 @dataclass
@@ -148,8 +150,15 @@ def profile_inputs(config: EngineConfig):
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int, device: torch.device
+        self,
+        config: EngineConfig,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        device: torch.device,
+        tokenizer_json: Callable[[], str] | None = None,
     ) -> None:
+        """`tokenizer_json`: the model's tokenizer.json (as text) for structured outputs'
+        grammars, asked for at the first constrained request; None: no structured outputs."""
         if device.type == "cuda":  # the sampler's greedy pick is a Triton kernel there
             require_triton("running on CUDA")
         self.config = config
@@ -176,6 +185,13 @@ class ModelRunner:
         ]
         self._last = 1
         self.collecting_prompt_logprobs: set[str] = set()  # CachedRequestState.prompt_logprobs
+        # structured outputs' matchers, a constrained request each (lantau/structured.py)
+        m = config.model_config
+        self.grammars = (
+            Grammars(tokenizer_json, m.vocab_size, list(m.eos_token_ids))
+            if tokenizer_json is not None
+            else None
+        )
         self.graphs = None  # CudaGraphRunner (decode-only steps), once captured
         self.mixed_graphs = None  # MixedGraphRunner (steps with prompt tokens), once captured
         # the copies between steps on their own streams, off the device's critical path: the
@@ -242,6 +258,8 @@ class ModelRunner:
 
     def _drop(self, request_id: str) -> None:
         self.collecting_prompt_logprobs.discard(request_id)
+        if self.grammars is not None:
+            self.grammars.drop(request_id)
         state = self.states.pop(request_id, None)
         if state is not None:
             self.block_table.release(state.row)
@@ -263,6 +281,12 @@ class ModelRunner:
             ):  # NOTE: resumed after its first sample, it sent them already
                 self.states[new.request_id].prompt_logprobs = [None]
                 self.collecting_prompt_logprobs.add(new.request_id)
+            if new.sampling_params.structured_outputs is not None:
+                self.grammars.add(  # past the outputs a resumed request has
+                    new.request_id,
+                    new.sampling_params.structured_outputs,
+                    new.token_ids[new.num_prompt_tokens :],
+                )
             seed = new.sampling_params.seed
             if seed is not None and new.request_id not in self.generators:
                 self.generators[new.request_id] = torch.Generator(self.device).manual_seed(seed)
@@ -482,6 +506,12 @@ class ModelRunner:
                     banned=self._banned(state),
                 )
             )
+        if self.grammars is not None and self.grammars.matchers:
+            constrained = [i for i, r in enumerate(step.sample_ids) if r in self.grammars.matchers]
+            if constrained:  # each one's tokens allowed next, after every earlier token
+                masks = self.grammars.masks([step.sample_ids[i] for i in constrained])
+                for row, i in enumerate(constrained):
+                    rows[i].allowed = masks[row]
         step.sampled = self.sampler.sample(step.logits, rows, greedy_ids=step.greedy_ids)
         self._prev_rows = {request_id: i for i, request_id in enumerate(step.sample_ids)}
         # the buffer launch() gave the step (no sampling step comes between the two calls)
@@ -513,6 +543,8 @@ class ModelRunner:
             state = self.states.get(request_id)
             if state is not None:
                 state.token_ids.append(token_id)
+                if self.grammars is not None:
+                    self.grammars.consume(request_id, token_id)
                 if state.prompt_logprobs is not None:  # its first sample: with them, once
                     result.prompt_logprobs[request_id] = state.prompt_logprobs
                     state.prompt_logprobs = None

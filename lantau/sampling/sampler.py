@@ -46,6 +46,8 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned: tuple[int, ...] = ()  # tokens it may not pick now (EOS and stop tokens, min_tokens)
+    # structured outputs: the tokens its grammar allows next, a bit each ([words] int32, host)
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -185,10 +187,30 @@ def ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits.index_put(index, torch.tensor(float("-inf"), device=device))
 
 
+def allow_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row with a grammar's bitmask (`allowed`): every token it does not allow at -inf
+    (a new tensor; `logits` as it is when no row has one)."""
+    constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not constrained:
+        return logits
+    device, vocab_size = logits.device, logits.shape[-1]
+    words = torch.stack([rows[i].allowed for i in constrained]).to(device)  # [k, words]
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # [k, words, 32]; bit 31: the sign, shifted
+    allowed = bits.reshape(len(constrained), -1)[:, :vocab_size].bool()  # [k, <= vocab_size]
+    if allowed.shape[1] < vocab_size:  # tokens past the grammar's vocabulary: never
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    index = to_device(constrained, device, torch.int64)
+    out = logits.clone()
+    out[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return out
+
+
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The logits each row samples from: penalties, logit bias, banned tokens; float32, the
-    input is not modified (logprobs are the raw logits')."""
-    return ban_tokens(apply_logit_bias(apply_penalties(logits, rows), rows), rows)
+    """The logits each row samples from: penalties, logit bias, banned tokens, a grammar's
+    allowed tokens; float32, the input is not modified (logprobs are the raw logits')."""
+    processed = apply_logit_bias(apply_penalties(logits, rows), rows)
+    return allow_tokens(ban_tokens(processed, rows), rows)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -341,7 +363,9 @@ class Sampler:
         device = logits.device
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if not sampled and not any(r.params.processes_logits or r.banned for r in rows):
+        if not sampled and not any(
+            r.params.processes_logits or r.banned or r.allowed is not None for r in rows
+        ):
             # argmax of the logits as they are: a float32 copy orders (and ties) the same
             token_ids = self._argmax(logits) if greedy_ids is None else greedy_ids
             return self._pending(logits, rows, token_ids)

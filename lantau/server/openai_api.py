@@ -90,12 +90,6 @@ def refuse_unsupported(body: ChatRequest | CompletionRequest) -> None:
     """InvalidRequestError for an OpenAI feature this server does not do, asked for: an
     answer that ignored it (plain text where JSON or a tool call was asked) would look right
     and be wrong."""
-    if body.response_format is not None and body.response_format.type != "text":
-        raise InvalidRequestError(
-            "response_format",
-            f"type {body.response_format.type!r} is not supported (no guided decoding): "
-            "only 'text'",
-        )
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise InvalidRequestError("suffix", "is not supported (no insertion)")
@@ -149,7 +143,50 @@ def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParam
         logprobs = body.logprobs
         if body.echo and logprobs is not None:  # the echoed prompt's logprobs too
             prompt_logprobs = logprobs
+    structured, field = structured_spec(body)
+    try:
+        return _sampling_params(body, max_tokens, logprobs, prompt_logprobs, structured)
+    except InvalidRequestError as e:
+        if e.field == "structured_outputs" and field != e.field:  # as the request named it
+            raise InvalidRequestError(field, str(e).split(": ", 1)[-1]) from None
+        raise
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # fmt: skip
+
+
+def structured_spec(body: ChatRequest | CompletionRequest) -> tuple[dict | None, str]:
+    """The grammar a request asks its output to follow (lantau/structured.py's spec), and the
+    field that asked: response_format (OpenAI's), structured_outputs or a guided_* (vLLM's)."""
+    asked = []
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            asked.append(({"json_object": True}, "response_format"))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema is None:
+                raise InvalidRequestError("response_format.json_schema.schema", "required")
+            asked.append(({"json": rf.json_schema.schema}, "response_format"))
+        else:
+            raise InvalidRequestError(
+                "response_format.type", "expected text, json_object or json_schema"
+            )
+    if body.structured_outputs is not None:
+        asked.append((body.structured_outputs, "structured_outputs"))
+    for name, kind in GUIDED.items():
+        if (value := getattr(body, name)) is not None:
+            asked.append(({kind: value}, name))
+    if len(asked) > 1:
+        raise InvalidRequestError(asked[1][1], f"asks for a grammar beside {asked[0][1]}'s")
+    return asked[0] if asked else (None, "structured_outputs")
+
+
+def _sampling_params(
+    body: ChatRequest | CompletionRequest, max_tokens: int, logprobs, prompt_logprobs, structured
+) -> SamplingParams:
     return SamplingParams(
+        structured_outputs=structured,
         n=_first(body.n, 1),
         max_tokens=max_tokens,
         temperature=_first(body.temperature, 1.0),

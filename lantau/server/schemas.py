@@ -54,8 +54,16 @@ class ContentPart(Struct):
     text: str | None = None
 
 
+class JsonSchemaFormat(Struct):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(Struct):
-    type: str  # only "text": no guided decoding (json_object, json_schema are a 400)
+    type: str  # text, json_object, or json_schema (lantau/structured.py)
+    json_schema: JsonSchemaFormat | None = None
 
 
 class FunctionCall(Struct):
@@ -116,8 +124,14 @@ class OpenAIRequest(Struct):
     # token id (a JSON object's keys are strings: "50256") -> bias; the range is checked by
     # SamplingParams, the vocabulary by the engine
     logit_bias: dict[TokenId, float] | None = None
-    # read only to refuse what this server does not do (openai_api.refuse_unsupported)
     response_format: ResponseFormat | None = None
+    # vLLM's: {"json": schema} | {"json_object": true} | {"regex": ...} | {"choice": [...]} |
+    # {"grammar": lark}; and its older guided_* fields, one each
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(OpenAIRequest):

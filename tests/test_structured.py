@@ -1,0 +1,102 @@
+"""Structured outputs (lantau/structured.py) in the offline engine: each request's text follows
+its grammar (a JSON schema, any object, a regex, a choice, a Lark grammar) beside requests
+without one, through preemption (a resumed request's grammar is where its text left it), and
+what is not a grammar is an InvalidRequestError naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from lantau import LLM, SamplingParams
+from lantau.errors import InvalidRequestError
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "tags", "ok"],
+    "additionalProperties": False,
+}
+LARK = r"""start: "The answer is " NUMBER "."
+NUMBER: /[1-9][0-9]?/
+"""
+
+# (grammar, how to check a text that follows it)
+CASES = [
+    ({"json": SCHEMA}, lambda t: set(json.loads(t)) == {"name", "tags", "ok"}),
+    ({"regex": r"(cat|dog)s? (run|sleep)"}, lambda t: re.fullmatch(r"(cat|dog)s? (run|sleep)", t)),
+    ({"choice": ["red", "green", "light blue"]}, lambda t: t in ("red", "green", "light blue")),
+    ({"grammar": LARK}, lambda t: re.fullmatch(r"The answer is [1-9][0-9]?\.", t)),
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # few KV blocks: 24 requests of ~40 tokens preempt each other
+    return LLM("random:tiny", device="cpu", max_model_len=256, num_kv_blocks=24)
+
+
+def test_each_request_follows_its_grammar_through_preemption(llm):
+    prompts, params = [], []
+    for i in range(24):
+        spec, _ = CASES[i % len(CASES)]
+        constrained = i % 6 != 5  # some without a grammar beside them
+        prompts.append(f"Request {i}: " + "word " * (10 + i % 7))
+        params.append(
+            SamplingParams(
+                temperature=0.9, seed=i, max_tokens=48, ignore_eos=not constrained,
+                structured_outputs=spec if constrained else None,
+            )
+        )  # fmt: skip
+    outputs = llm.generate(prompts, params)
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.num_preemptions > 0  # or this test shows nothing about resuming
+    for i, (out, p) in enumerate(zip(outputs, params, strict=True)):
+        text = out.outputs[0].text
+        if p.structured_outputs is None:
+            assert len(out.outputs[0].token_ids) == 48
+            continue
+        assert out.outputs[0].finish_reason == "stop", (i, text)
+        assert CASES[i % len(CASES)][1](text), (i, text)
+        if "json" in p.structured_outputs:  # as json.dumps writes it: no free whitespace
+            assert json.dumps(json.loads(text), ensure_ascii=False) == text, text
+    scheduler.check_integrity()
+    assert llm.engine.core.kv_cache.num_free_blocks == 24
+    assert not llm.engine.core.runner.grammars.matchers  # each request's matcher dropped
+
+
+def test_greedy_follows_the_grammar_and_equals_its_sampled_pick(llm):
+    """Greedy over the allowed tokens: the CUDA-graph-style pick of the raw logits is not
+    taken for a constrained row; a top_k=1 sample picks the same."""
+    spec = {"choice": ["yes", "no", "maybe not"]}
+    greedy = llm.generate("Well?", SamplingParams(temperature=0, structured_outputs=spec))[0]
+    top1 = llm.generate(
+        "Well?", SamplingParams(temperature=1.0, top_k=1, seed=3, structured_outputs=spec)
+    )[0]
+    assert greedy.outputs[0].text in spec["choice"]
+    assert greedy.outputs[0].token_ids == top1.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ({"regex": "("}, "regex"),
+        ({"json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "json"),
+        ({"grammar": "start: undefined_rule"}, "grammar"),
+        ({"choice": []}, "choice"),
+        ({"json_object": "yes"}, "json_object"),
+        ({"regex": "a", "json": {}}, "exactly one"),
+        ({"xml": "<a/>"}, "exactly one"),
+        ("not a dict", "exactly one"),
+    ],
+)
+def test_what_is_not_a_grammar_is_named(spec, words):
+    with pytest.raises(InvalidRequestError, match="structured_outputs") as e:
+        SamplingParams(structured_outputs=spec)
+    assert words in str(e.value)
