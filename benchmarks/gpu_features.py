@@ -1,0 +1,152 @@
+"""The request features that leave the engine's fast path, checked on a device (one call):
+logit bias, min_tokens, structured outputs, prompt logprobs, n, with CUDA graphs and without.
+
+Each engine (`--graphs` and `--eager`: enforce_eager) runs the same requests; a check is a
+property of the output (a forced token, the grammar followed, no stop before min_tokens) or
+agreement between the two engines (greedy tokens; prompt logprobs within --atol), and the
+engine's wall time for the whole set is printed beside the same set without the features.
+
+    python3 benchmarks/gpu_features.py [--model random:llama3.2-1b] [--device cuda]
+        [--atol 0.05] [--out DIR]
+
+On CPU (`--device cpu --model random:tiny`) it is the same run without graphs: a dry run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "maximum": 9}},
+    "required": ["answer", "n"],
+    "additionalProperties": False,
+}
+PROMPTS = [f"Question {i}: " + "the weather " * (3 + i % 5) for i in range(16)]
+
+
+def requests(params_cls, eos: int):
+    """(name, prompts, params, check(outputs) -> str | None): None when it holds."""
+    greedy = dict(temperature=0.0, max_tokens=16)
+
+    def forced(outs):
+        bad = [o.outputs[0].token_ids for o in outs if set(o.outputs[0].token_ids) != {42}]
+        return f"not all 42: {bad[:2]}" if bad else None
+
+    def json_ok(outs):
+        for o in outs:
+            try:
+                value = json.loads(o.outputs[0].text)
+            except ValueError:
+                return f"not JSON: {o.outputs[0].text!r}"
+            if set(value) != {"answer", "n"}:
+                return f"not the schema: {value}"
+        return None
+
+    def regex_ok(outs):
+        bad = [
+            o.outputs[0].text for o in outs if not re.fullmatch(r"(cat|dog)s?", o.outputs[0].text)
+        ]
+        return f"off the regex: {bad[:2]}" if bad else None
+
+    def min_ok(outs):
+        short = [len(o.outputs[0].token_ids) for o in outs if len(o.outputs[0].token_ids) < 8]
+        return f"ended before min_tokens: {short}" if short else None
+
+    return [
+        ("plain greedy", PROMPTS, params_cls(**greedy), lambda outs: None),
+        ("logit_bias +100", PROMPTS, params_cls(**greedy, logit_bias={42: 100.0}), forced),
+        ("min_tokens 8, EOS", PROMPTS,
+         params_cls(temperature=0.0, max_tokens=16, min_tokens=8, stop_token_ids=[eos]), min_ok),
+        ("json schema", PROMPTS,
+         params_cls(temperature=0.8, seed=1, max_tokens=40, structured_outputs={"json": SCHEMA}),
+         json_ok),
+        ("regex", PROMPTS,
+         params_cls(temperature=0.8, seed=2, max_tokens=8,
+                    structured_outputs={"regex": "(cat|dog)s?"}), regex_ok),
+        ("prompt logprobs", PROMPTS, params_cls(**greedy, prompt_logprobs=2), lambda outs: None),
+        ("n=4 sampled", PROMPTS[:4], params_cls(temperature=1.0, seed=3, n=4, max_tokens=16),
+         lambda outs: None if all(len(o.outputs) == 4 for o in outs) else "n"),
+    ]  # fmt: skip
+
+
+def run_engine(llm, params_cls, eos: int) -> dict:
+    results = {}
+    for name, prompts, params, check in requests(params_cls, eos):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        results[name] = dict(outs=outs, seconds=seconds, problem=check(outs))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="random:llama3.2-1b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--atol", type=float, default=0.05, help="prompt logprobs, graphs vs eager")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from lantau import LLM, SamplingParams
+
+    engines = {}
+    for name, eager in (("graphs", False), ("eager", True)):
+        if args.device == "cpu" and not eager:
+            continue  # no graphs on CPU: the eager engine alone
+        llm = LLM(args.model, device=args.device, max_model_len=1024, max_num_seqs=64,
+                  enforce_eager=eager)  # fmt: skip
+        eos = llm.engine.core.config.model_config.eos_token_ids[0]
+        engines[name] = run_engine(llm, SamplingParams, eos)
+        del llm
+    rows = []
+    base = next(iter(engines))
+    for feature in engines[base]:
+        problems = [
+            f"{e}: {r[feature]['problem']}" for e, r in engines.items() if r[feature]["problem"]
+        ]
+        if len(engines) == 2:
+            a, b = (engines[e][feature]["outs"] for e in engines)
+            if feature in ("plain greedy", "logit_bias +100", "min_tokens 8, EOS"):
+                same = sum(
+                    x.outputs[0].token_ids == y.outputs[0].token_ids
+                    for x, y in zip(a, b, strict=True)
+                )
+                if same < len(a) * 0.75:  # bf16 graphs vs eager: near ties may differ
+                    problems.append(f"graphs and eager agree on {same}/{len(a)}")
+            if feature == "prompt logprobs":
+                worst = max(
+                    abs(ex[t].logprob - ey[t].logprob)
+                    for x, y in zip(a, b, strict=True)
+                    for ex, ey, t in zip(
+                        x.prompt_logprobs[1:],
+                        y.prompt_logprobs[1:],
+                        x.prompt_token_ids[1:],
+                        strict=True,
+                    )  # fmt: skip
+                )
+                if worst > args.atol:
+                    problems.append(f"prompt logprobs differ by {worst:.3f}")
+        times = " / ".join(f"{engines[e][feature]['seconds']:.2f}" for e in engines)
+        rows.append((feature, times, "; ".join(problems) or "ok"))
+    print(f"\n{args.model} on {args.device}; seconds for the set ({' / '.join(engines)})")
+    print(f"{'feature':<20} {'seconds':>13}  check")
+    for feature, times, verdict in rows:
+        print(f"{feature:<20} {times:>13}  {verdict}")
+    if args.out:
+        import os
+
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_features.json"), "w") as f:
+            json.dump(
+                [dict(zip(("feature", "seconds", "check"), r, strict=True)) for r in rows],
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
