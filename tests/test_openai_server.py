@@ -546,6 +546,46 @@ def test_structured_outputs(client, server, offline):
     wait_idle(server)
 
 
+def test_template_options_and_continuous_usage(client, offline):
+    """vLLM's chat extras: continue_final_message renders the assistant's unfinished turn
+    for the model to go on with (the offline engine's tokens for the same rendering);
+    chat_template_kwargs may not set apply_chat_template's own arguments. Streamed with
+    continuous_usage_stats, every chunk carries the usage so far."""
+    conv = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "It is"},
+    ]
+    ids = offline.tokenizer.encode(
+        offline.tokenizer.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=False, continue_final_message=True
+        ),
+        add_special_tokens=False,
+    )
+    ref = offline.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8))
+    reply = client.chat.completions.create(
+        model=MODEL, messages=conv, max_tokens=8, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )  # fmt: skip
+    assert reply.choices[0].message.content == ref[0].outputs[0].text
+    assert reply.usage.prompt_tokens == len(ids)
+    for extra, param in (
+        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=conv, extra_body=extra)
+        assert e.value.body["param"] == param
+    stream = client.chat.completions.create(
+        model=MODEL, messages=conv[:1], max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
+    assert chunks and all(c.usage is not None for c in chunks)  # each text chunk: its usage
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens for c in chunks)
+
+
 def test_async_client_concurrent_streams(server, offline):
     async def one(aclient, i):
         stream = await aclient.completions.create(

@@ -121,7 +121,7 @@ class ScriptedChat(EchoEngine):
         self.rendered: list[str] = []
         self.answers: dict[int, str] = {}
 
-    async def encode_chat(self, conversation, tools=None) -> list[int]:
+    async def encode_chat(self, conversation, tools=None, **options) -> list[int]:
         text = self.tokenizer.apply_chat_template(
             conversation, tools=tools, tokenize=False, add_generation_prompt=True
         )

@@ -277,6 +277,8 @@ class AsyncLLM:
         conversation: list[dict],
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        extra: dict | None = None,
     ) -> list[int]:
         """A conversation's prompt token ids through the chat template (off the event loop
         when long), with the tools (OpenAI's, as HF templates take them) if any;
@@ -293,11 +295,14 @@ class AsyncLLM:
                 text = self.tokenizer.apply_chat_template(
                     conversation, tools=tools, tokenize=False,
                     add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, **(extra or {}),
                 )  # fmt: skip
             except jinja2.TemplateError as e:  # the template's raise_exception (roles, order)
                 raise InvalidRequestError(
                     "messages", f"refused by the chat template: {e}"
                 ) from None
+            except ValueError as e:  # transformers' own checks (continue_final_message's)
+                raise InvalidRequestError("messages", str(e)) from None
             return self.tokenizer.encode(text, add_special_tokens=False)
 
         return await asyncio.to_thread(encode) if num_chars > OFF_LOOP_CHARS else encode()

@@ -112,6 +112,34 @@ def refuse_unsupported(body: ChatRequest | CompletionRequest) -> None:
         raise InvalidRequestError("audio", "audio output is not supported")
 
 
+# apply_chat_template's own arguments: not a template variable a request may set
+TEMPLATE_ARGUMENTS = frozenset(
+    ("conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+)  # fmt: skip
+
+
+def template_options(body: ChatRequest) -> dict:
+    """vLLM's chat extras as AsyncLLM.encode_chat takes them."""
+    cont = _first(body.continue_final_message, False)
+    generation = _first(body.add_generation_prompt, not cont)
+    if cont and generation:
+        raise InvalidRequestError(
+            "continue_final_message", "cannot go with add_generation_prompt: set it false"
+        )
+    if cont and body.messages and body.messages[-1].role != "assistant":
+        raise InvalidRequestError(
+            "continue_final_message", "the last message is not the assistant's"
+        )
+    extra = body.chat_template_kwargs or {}
+    if taken := sorted(TEMPLATE_ARGUMENTS & set(extra)):
+        raise InvalidRequestError(
+            "chat_template_kwargs", f"{', '.join(taken)}: not a template variable"
+        )
+    return {"add_generation_prompt": generation, "continue_final_message": cont, "extra": extra}
+
+
 def _template_call(call, field: str) -> dict:
     """An earlier tool call as chat templates take it: its arguments an object."""
     arguments = call.function.arguments
@@ -381,7 +409,7 @@ class OpenAIServer:
             if chat:  # the template and tokenizer run off the event loop when it is long
                 conversation = self.chat_prompt(body, engine.tokenizer)
                 tools = self.tools_of(body)
-                ids = await engine.encode_chat(conversation, tools)
+                ids = await engine.encode_chat(conversation, tools, **template_options(body))
                 prompts = [{"prompt_token_ids": ids}]
             else:
                 prompts = self.completion_prompts(body)
@@ -396,6 +424,7 @@ class OpenAIServer:
             priority = _first(body.priority, 0)
             stream = _first(body.stream, False)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
             deadline = _deadline(body.timeout, request.headers.get("x-request-timeout"))
         except APIError as e:
             return error_response(e.status, e.message, e.param, e.kind)
@@ -419,7 +448,7 @@ class OpenAIServer:
         results = _chain(first, results)
         reply.version = first.model_version
         if stream:
-            chunks = self._stream(reply, results, include_usage, deadline)
+            chunks = self._stream(reply, results, include_usage, deadline, continuous)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
             final = await _collect_unless_disconnected(results, request, deadline)
@@ -509,6 +538,7 @@ class OpenAIServer:
         results: AsyncIterator[RequestOutput],
         include_usage: bool,
         deadline: float | None,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[bytes]:
         request_id, params, chat = reply.request_id, reply.params, reply.chat
         fingerprint = reply.fingerprint()
@@ -617,7 +647,7 @@ class OpenAIServer:
                     last = output
                     choices = [c for o in output.outputs if (c := delta_of(output, o)) is not None]
                     if choices:
-                        yield chunk(choices)
+                        yield chunk(choices, _usage(output) if continuous_usage else None)
         except Exception as e:  # the stream has started: report in-band, then end it
             yield b"data: " + _error_for(e).body + b"\n\n"
         finally:

@@ -47,6 +47,7 @@ class RequestLimits:
 
 class StreamOptions(Struct):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: the usage so far in every chunk
 
 
 class ContentPart(Struct):
@@ -155,6 +156,10 @@ class ChatRequest(OpenAIRequest):
     function_call: Any = None
     modalities: list[str] | None = None
     audio: Any = None
+    # vLLM's: how the template renders the conversation
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None  # the last (assistant) message continued
+    chat_template_kwargs: dict[str, Any] | None = None  # more of the template's variables
 
 
 class TokenizeRequest(Struct):
