@@ -82,6 +82,15 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias", "must be a map of token ids to numbers")
         object.__setattr__(self, "logit_bias", dict(self.logit_bias or {}) or None)
         self._validate()
+        object.__setattr__(
+            self,
+            "_processes_logits",
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.logit_bias is not None
+            or self.structured_outputs is not None,
+        )
         if self.structured_outputs is not None:
             from lantau.structured import grammar_of
 
@@ -157,15 +166,10 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Its logits change before sampling (penalties, logit bias): no pick of the raw
-        logits (a CUDA graph's greedy ids) stands for its token."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.logit_bias is not None
-            or self.structured_outputs is not None
-        )
+        """Its logits change before sampling (penalties, logit bias, a grammar): no pick of
+        the raw logits (a CUDA graph's greedy ids) stands for its token. NOTE: asked of every
+        row every step: worked out once, in __post_init__."""
+        return self._processes_logits
 
     @property
     def is_greedy(self) -> bool:

@@ -503,7 +503,7 @@ class ModelRunner:
                     generator=self.generators.get(request_id),
                     prompt_token_ids=state.token_ids[:n] if history else [],
                     output_token_ids=state.token_ids[n:] if history else [],
-                    banned=self._banned(state),
+                    banned=self._banned(state) if state.params.min_tokens else (),
                 )
             )
         if self.grammars is not None and self.grammars.matchers:
