@@ -301,6 +301,33 @@ def test_echo_with_logprobs_as_lm_eval_asks(client, server, offline):
     wait_idle(server)
 
 
+def test_vllm_prompt_logprobs_field(client, offline):
+    """vLLM's prompt_logprobs: a choice's prompt (completions) or the conversation's (chat),
+    null first, then each position's entries keyed by token id, as offline."""
+    prompt = "The weather today is"
+    ref = offline.generate(prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))
+    ids = ref[0].prompt_token_ids
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    got = out.model_dump()["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for entry, want, token in zip(got[1:], ref[0].prompt_logprobs[1:], ids[1:], strict=True):
+        assert set(entry) == {str(t) for t in want} and str(token) in entry
+        assert entry[str(token)]["logprob"] == pytest.approx(want[token].logprob, abs=1e-5)
+        assert entry[str(token)]["rank"] == want[token].rank
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    assert chat.model_dump()["prompt_logprobs"][0] is None
+    assert len(chat.model_dump()["prompt_logprobs"]) == chat.usage.prompt_tokens
+    for extra in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 99}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == "prompt_logprobs"
+
+
 def test_streamed_logprobs_equal_the_unstreamed(client):
     """Each chunk carries the logprobs of the tokens it adds (both routes)."""
     args = dict(model=MODEL, prompt="The weather today", max_tokens=8, temperature=0, logprobs=2)

@@ -78,10 +78,13 @@ def parse_request(
         name, num_logprobs = "top_logprobs", body.top_logprobs
     else:
         name, num_logprobs = "logprobs", body.logprobs
-    if num_logprobs is not None and num_logprobs > limits.max_logprobs:
-        raise InvalidRequestError(
-            name, f"must be <= {limits.max_logprobs} on this server (--max-logprobs)"
-        )
+    for field, num in ((name, num_logprobs), ("prompt_logprobs", body.prompt_logprobs)):
+        if num is not None and num > limits.max_logprobs:
+            raise InvalidRequestError(
+                field, f"must be <= {limits.max_logprobs} on this server (--max-logprobs)"
+            )
+    if body.prompt_logprobs is not None and body.stream:
+        raise InvalidRequestError("prompt_logprobs", "not with stream")
     refuse_unsupported(body)
     return body
 
@@ -161,7 +164,7 @@ def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParam
     """OpenAI fields, logit_bias too (plus vLLM's extras: top_k, min_p, repetition_penalty,
     ignore_eos, min_tokens, include_stop_str_in_output, skip_special_tokens);
     InvalidRequestError names a field out of range."""
-    prompt_logprobs = None
+    prompt_logprobs = body.prompt_logprobs  # vLLM's
     if isinstance(body, ChatRequest):
         # NOTE: max_completion_tokens replaces max_tokens; 0 is refused by the schema
         max_tokens = _first(body.max_completion_tokens, body.max_tokens, 512)
@@ -170,7 +173,7 @@ def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParam
         max_tokens = _first(body.max_tokens, 16)
         logprobs = body.logprobs
         if body.echo and logprobs is not None:  # the echoed prompt's logprobs too
-            prompt_logprobs = logprobs
+            prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     structured, field = structured_spec(body)
     try:
         return _sampling_params(body, max_tokens, logprobs, prompt_logprobs, structured)
@@ -285,6 +288,22 @@ def _logprobs_completion(token_ids, entries, tokenizer, num_top: int, offset: in
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def _prompt_logprobs(output: RequestOutput, tokenizer) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs: null for the first token, then {token id: {logprob, rank,
+    decoded_token}} a position."""
+    if output.prompt_logprobs is None:
+        return None
+
+    def entry(t: int, lp) -> dict:
+        text = tokenizer.decode([t]) if tokenizer is not None else str(t)
+        return {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": text}
+
+    return [
+        None if e is None else {str(t): entry(t, lp) for t, lp in e.items()}
+        for e in output.prompt_logprobs
+    ]
 
 
 def _usage(output: RequestOutput) -> dict:
@@ -436,6 +455,7 @@ class OpenAIServer:
         else:
             results = _batch(served, request_id, prompts, params, priority)
         reply = Reply(request_id, served.name, engine.tokenizer, chat, params, len(prompts), echo)
+        reply.show_prompt_logprobs = body.prompt_logprobs is not None
         if tools:
             reply.tool_parser = self.tool_parser
             reply.tool_names = {t["function"]["name"] for t in tools}
@@ -520,9 +540,12 @@ class OpenAIServer:
             else:
                 prompt = reply.echo[o.index // reply.params.n] if reply.echo else ""
                 choice["text"] = prompt + o.text
-            choice["logprobs"] = reply.logprobs(parts[o.index // reply.params.n], o, 0, 0)
+            part = parts[o.index // reply.params.n]
+            choice["logprobs"] = reply.logprobs(part, o, 0, 0)
+            if reply.show_prompt_logprobs and not reply.chat:  # vLLM's: a choice's prompt's
+                choice["prompt_logprobs"] = _prompt_logprobs(part, reply.tokenizer)
             choices.append(choice)
-        return {
+        body = {
             "id": reply.request_id,
             "object": "chat.completion" if reply.chat else "text_completion",
             "created": int(time.time()),
@@ -531,6 +554,9 @@ class OpenAIServer:
             "choices": choices,
             "usage": _usage(output),
         }
+        if reply.show_prompt_logprobs and reply.chat:  # vLLM's: the conversation's
+            body["prompt_logprobs"] = _prompt_logprobs(output, reply.tokenizer)
+        return body
 
     async def _stream(
         self,
@@ -669,6 +695,7 @@ class Reply:
     num_prompts: int = 1  # a batch's: choice p * n + i is prompt p's sample i
     echo: list[str] | None = None  # each prompt's text, to precede its choices' (`echo`)
     version: str | None = None  # a model repository's version (None: a fixed model)
+    show_prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: in the body
     tool_parser: ToolParser | None = None  # reads tool calls back from the answer
     tool_names: set[str] = dataclasses.field(default_factory=set)  # the request's tools
 

@@ -116,6 +116,7 @@ class OpenAIRequest(Struct):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Meta(ge=0, le=INT64_MAX)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     stream: bool | None = None
