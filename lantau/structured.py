@@ -2,7 +2,7 @@
 regex, a choice of strings, or a Lark grammar) through llguidance.
 
 `SamplingParams.structured_outputs` names the grammar as vLLM's does (`{"json": schema}`,
-`{"json_object": True}`, `{"regex": ...}`, `{"choice": [...]}`, `{"grammar": lark}`); the
+`{"json_object": True}`, `{"regex": ...}`, `{"choice": [...]}`, `{"grammar": Lark or GBNF}`); the
 OpenAI routes map `response_format` onto it. `grammar_of` turns it into llguidance's grammar
 and checks it (a bad schema or regex is an InvalidRequestError naming the field), in the
 frontend and again in the engine core, which holds one matcher a request (`Grammars`): before
@@ -68,8 +68,13 @@ def grammar_of(spec: Any) -> str:
             raise InvalidRequestError(FIELD, f"{kind}: expected a non-empty string")
         elif kind == "regex":
             grammar = matcher.grammar_from_regex(value)
-        else:
-            grammar = matcher.grammar_from_lark(value)
+        else:  # Lark, or GBNF (llama.cpp's and xgrammar's EBNF) taken to Lark
+            from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+            try:
+                grammar = matcher.grammar_from_lark(any_to_lark(value))
+            except GbnfToLarkError as e:
+                raise InvalidRequestError(FIELD, f"{kind}: {e}") from None
     except ValueError as e:  # a schema that is not valid JSON
         raise InvalidRequestError(FIELD, f"{kind}: {e}") from None
     error = matcher.validate_grammar(grammar)

@@ -372,6 +372,39 @@ def test_http_generate(server, expected):
     assert r.json()["model_name"] == MODEL_NAME
 
 
+def test_http_generate_guided_decoding(server):
+    """TensorRT-LLM's guided decoding fields (its generate curl's shape): any JSON, a JSON
+    schema, a regex, an EBNF grammar; a bad guide is a 400 naming it."""
+    import json
+    import re
+
+    url = f"{base_url(server)}/v2/models/{MODEL_NAME}/generate"
+    schema = {"type": "object", "properties": {"year": {"type": "integer", "maximum": 2100}},
+              "required": ["year"], "additionalProperties": False}  # fmt: skip
+    cases = [
+        ({"guided_decoding_guide_type": "json_schema", "guided_decoding_guide": json.dumps(schema)},
+         lambda t: set(json.loads(t)) == {"year"}),
+        ({"guided_decoding_guide_type": "regex", "guided_decoding_guide": r"\d{4}"},
+         lambda t: re.fullmatch(r"\d{4}", t)),
+        ({"guided_decoding_guide_type": "ebnf_grammar",
+          "guided_decoding_guide": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+    ]  # fmt: skip
+    for guide, check in cases:
+        body = {"text_input": "What year is next? Answer:", "max_tokens": 24, "temperature": 0}
+        r = httpx.post(url, json={**body, **guide})
+        assert r.status_code == 200, r.text
+        assert check(r.json()["text_output"]), (guide, r.json())
+    for guide, words in (
+        ({"guided_decoding_guide_type": "xml"}, "not one of"),
+        ({"guided_decoding_guide_type": "regex"}, "required"),
+        ({"guided_decoding_guide_type": "regex", "guided_decoding_guide": "("}, "regex"),
+        ({"guided_decoding_guide_type": "json_schema", "guided_decoding_guide": "{"}, "JSON"),
+        ({"guided_decoding_guide": "x"}, "without guided_decoding_guide_type"),
+    ):
+        r = httpx.post(url, json={"text_input": "x", "max_tokens": 2, **guide})
+        assert r.status_code == 400 and words in r.json()["error"], (guide, r.text)
+
+
 def test_http_generate_exclude_input_in_output(server, expected):
     """TRT-LLM's flag: False puts the prompt before the generated text."""
     body = {"text_input": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.0,

@@ -1,5 +1,5 @@
 """Structured outputs (lantau/structured.py) in the offline engine: each request's text follows
-its grammar (a JSON schema, any object, a regex, a choice, a Lark grammar) beside requests
+its grammar (a JSON schema, any object, a regex, a choice, a Lark or GBNF grammar) beside requests
 without one, through preemption (a resumed request's grammar is where its text left it), and
 what is not a grammar is an InvalidRequestError naming the field."""
 
@@ -33,6 +33,7 @@ CASES = [
     ({"regex": r"(cat|dog)s? (run|sleep)"}, lambda t: re.fullmatch(r"(cat|dog)s? (run|sleep)", t)),
     ({"choice": ["red", "green", "light blue"]}, lambda t: t in ("red", "green", "light blue")),
     ({"grammar": LARK}, lambda t: re.fullmatch(r"The answer is [1-9][0-9]?\.", t)),
+    ({"grammar": 'root ::= "id-" [a-f0-9]{4}'}, lambda t: re.fullmatch(r"id-[a-f0-9]{4}", t)),
 ]
 
 
@@ -89,6 +90,7 @@ def test_greedy_follows_the_grammar_and_equals_its_sampled_pick(llm):
         ({"regex": "("}, "regex"),
         ({"json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "json"),
         ({"grammar": "start: undefined_rule"}, "grammar"),
+        ({"grammar": "root ::= ("}, "grammar"),
         ({"choice": []}, "choice"),
         ({"json_object": "yes"}, "json_object"),
         ({"regex": "a", "json": {}}, "exactly one"),

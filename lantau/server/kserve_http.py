@@ -118,6 +118,10 @@ INPUT_SPECS = {
         InputSpec("random_seed", "UINT64", int, "seed"),
         InputSpec("stream", "BOOL", bool),
         InputSpec("stop_words", "BYTES", list, "stop"),
+        # TensorRT-LLM's guided decoding: json (any JSON value), json_schema, regex,
+        # ebnf_grammar, with the guide (lantau/structured.py)
+        InputSpec("guided_decoding_guide_type", "BYTES", str),
+        InputSpec("guided_decoding_guide", "BYTES", str),
         InputSpec("bad_words", "BYTES", list),
         # TRT-LLM's flag; absent here means True (text_output is the generated text only)
         InputSpec("exclude_input_in_output", "BOOL", bool),
@@ -340,6 +344,7 @@ class KServeModel:
         if values.get("bad_words"):
             raise invalid("bad_words: not supported")
         kwargs = {INPUT_SPECS[n].field: v for n, v in values.items() if INPUT_SPECS[n].field}
+        kwargs["structured_outputs"] = guided_spec(values)
         try:
             params = SamplingParams(**kwargs)
         except InvalidRequestError as e:
@@ -420,6 +425,31 @@ class KServeModels:
         model = KServeModel(served)
         model.check_version(version)
         return model
+
+
+GUIDE_TYPES = {"json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
+
+
+def guided_spec(values: dict) -> dict | None:
+    """TensorRT-LLM's guided decoding tensors as a structured_outputs spec (None: none)."""
+    kind, guide = values.get("guided_decoding_guide_type"), values.get("guided_decoding_guide")
+    if kind in (None, "", "none"):
+        if guide:
+            raise invalid("guided_decoding_guide: given without guided_decoding_guide_type")
+        return None
+    if kind == "json":  # any JSON value
+        return {"json": {}}
+    if kind not in GUIDE_TYPES:
+        raise invalid(f"guided_decoding_guide_type: {kind!r} is not one of json, "
+                      f"{', '.join(GUIDE_TYPES)}")  # fmt: skip
+    if not guide:
+        raise invalid(f"guided_decoding_guide: required with type {kind!r}")
+    if kind == "json_schema":
+        try:
+            return {"json": orjson.loads(guide)}
+        except orjson.JSONDecodeError:
+            raise invalid("guided_decoding_guide: not a JSON schema") from None
+    return {GUIDE_TYPES[kind]: guide}
 
 
 def index_inputs(inputs: list[Tensor]) -> dict[str, Tensor]:
