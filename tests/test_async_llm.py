@@ -58,7 +58,7 @@ def test_generate_stream_abort_and_failure():
             assert "b" not in engine.queues
             assert (await idle_stats(engine)).num_generated_tokens - before < 200
 
-            def broken(outputs):
+            def broken(outputs, prompt_logprobs=None):
                 raise RuntimeError("planted bug")
 
             engine.processor.process = broken
@@ -92,7 +92,7 @@ def test_first_tokens_are_sent_before_running_streams_are_detokenized():
         made: dict[str, RequestOutput] = {}
         events: list[str] = []  # "process a b" (a detokenizing pass), "resume a" (a stream)
 
-        def process(outs):  # as the processor hands them on: one object a request
+        def process(outs, prompt_logprobs=None):  # as the processor hands them on: one a request
             ids = [engine.processor.child_to_parent[o.request_id][0] for o in outs]
             events.append("process " + " ".join(ids))
             return [made[i] for i in ids], []

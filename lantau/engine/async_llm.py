@@ -407,18 +407,20 @@ class AsyncLLM:
         if self.timings:
             self._note_first(msg.received, "received_s")
             self._note_first(msg.scheduled, "scheduled_s")
-        core_outputs = msg.outputs
+        core_outputs, prompt_logprobs = msg.outputs, msg.prompt_logprobs
         if self.awaiting_first:
             first, rest = self._split_first_tokens(core_outputs)
             if first and rest:
-                await self._deliver(first)
+                await self._deliver(first, prompt_logprobs)
                 await asyncio.sleep(0)  # their streams send their first chunks now
                 core_outputs = rest
-        await self._deliver(core_outputs)
+        await self._deliver(core_outputs, prompt_logprobs)
 
-    async def _deliver(self, core_outputs: list[EngineCoreOutput]) -> None:
+    async def _deliver(
+        self, core_outputs: list[EngineCoreOutput], prompt_logprobs: dict | None = None
+    ) -> None:
         """Detokenize core outputs and queue them to their streams."""
-        outputs, stopped = self.processor.process(core_outputs)
+        outputs, stopped = self.processor.process(core_outputs, prompt_logprobs)
         if stopped:
             await self._send(AbortRequests(stopped, FinishReason.STOP))
         now, timings = self.last_report, self.timings

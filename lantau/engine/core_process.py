@@ -213,7 +213,10 @@ def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock, pauses: GcPause
         now = time.monotonic()
         if outputs or rejected or now - last_sent >= HEARTBEAT_S:
             stats = core_stats(core, clock)
-            message = CoreOutputs(outputs, stats, rejected, scheduled, received, pauses.drain())
+            message = CoreOutputs(
+                outputs, stats, rejected, scheduled, received, pauses.drain(),
+                core.scheduler.take_prompt_logprobs(),
+            )  # fmt: skip
             out_sock.send(encoder.encode(message))
             scheduled, received, last_sent = {}, {}, now
 

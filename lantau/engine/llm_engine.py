@@ -128,7 +128,7 @@ class OutputProcessor:
         return bool(self.states)
 
     def process(
-        self, core_outputs: list[EngineCoreOutput]
+        self, core_outputs: list[EngineCoreOutput], prompt_logprobs: dict | None = None
     ) -> tuple[list[RequestOutput], list[str]]:
         """(RequestOutputs advanced by these outputs, child ids a stop string ended).
 
@@ -140,6 +140,10 @@ class OutputProcessor:
             if core_out.request_id not in self.child_to_parent:
                 continue  # aborted while the step ran
             request_id = self._process_one(core_out, stopped)
+            if prompt_logprobs and core_out.request_id in prompt_logprobs:  # sample 0's
+                self.states[request_id].output.prompt_logprobs = prompt_logprobs[
+                    core_out.request_id
+                ]
             touched[request_id] = self.states[request_id].output
         for request_id, output in touched.items():
             if self.states[request_id].num_unfinished == 0:
@@ -153,8 +157,6 @@ class OutputProcessor:
         seq = state.sequences[index]
         if index == 0:
             state.output.num_cached_tokens = core_out.num_cached_tokens
-            if core_out.prompt_logprobs is not None:
-                state.output.prompt_logprobs = core_out.prompt_logprobs
         out = seq.output
         reason = core_out.finish_reason
         for i, token_id in enumerate(core_out.new_token_ids):
@@ -216,7 +218,9 @@ class LLMEngine:
         """One engine step; the RequestOutputs it advanced (finished ones last seen here).
         From the first step with requests to the last one done, the heap is frozen (self.gc)."""
         self.gc.track(self.has_unfinished_requests)
-        outputs, stopped = self.processor.process(self.core.step())
+        core_outputs = self.core.step()
+        prompt_logprobs = self.core.scheduler.take_prompt_logprobs()
+        outputs, stopped = self.processor.process(core_outputs, prompt_logprobs)
         if stopped:
             self.core.abort_requests(stopped, FinishReason.STOP)
         self.gc.track(self.has_unfinished_requests)

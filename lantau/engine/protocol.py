@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from lantau.request import FinishReason, Request, SamplingParams
+from lantau.request import FinishReason, Logprob, Request, SamplingParams
 from lantau.scheduler.output import EngineCoreOutput
 
 HEARTBEAT_S = 0.5  # an idle core still reports this often: the frontend's watchdog
@@ -87,6 +87,10 @@ class CoreOutputs(msgspec.Struct, array_like=True):
     received: dict[str, float] = msgspec.field(default_factory=dict)
     # the core's garbage collections since its last message: (generation, seconds) each
     gc_pauses: list[tuple[int, float]] = msgspec.field(default_factory=list)
+    # request id -> its prompt's logprobs, with its first output (Scheduler.prompt_logprobs)
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = msgspec.field(
+        default_factory=dict
+    )
 
 
 class CoreReady(msgspec.Struct, array_like=True):

@@ -69,8 +69,6 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
-    # the prompt's logprobs (None for its first token), on the request's first output only
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def is_finished(self) -> bool:

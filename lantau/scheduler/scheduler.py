@@ -42,6 +42,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._arrival = itertools.count()
         self._finished_since_last_step: set[str] = set()
+        # request id -> its prompt's logprobs, from its first output until taken (take_prompt_
+        # logprobs): beside the outputs, not in each, which cross to the frontend every step
+        self.prompt_logprobs: dict[str, list] = {}
         self.num_preemptions = 0  # since start, for stats and tests
         self.num_prefix_queried_tokens = 0  # since start: tokens of admitted requests ...
         self.num_prefix_hit_tokens = 0  # ... and those of them the prefix cache held
@@ -240,6 +243,7 @@ class Scheduler:
         from all of its tokens); a finished or aborted one does not.
         """
         outputs = []
+        prompt_logprobs = result.prompt_logprobs
         for request_id, token_id in result.sampled_token_ids.items():
             request = self.requests.get(request_id)
             if request is None:
@@ -255,12 +259,18 @@ class Scheduler:
                     new_logprobs=None if logprobs is None else [logprobs],
                     finish_reason=reason,
                     num_cached_tokens=request.num_cached_tokens,
-                    prompt_logprobs=result.prompt_logprobs.get(request_id),
                 )
             )
+            if prompt_logprobs and request_id in prompt_logprobs:
+                self.prompt_logprobs[request_id] = prompt_logprobs[request_id]
             if reason is not None:
                 self.finish_requests([request_id], reason)
         return outputs
+
+    def take_prompt_logprobs(self) -> dict[str, list]:
+        """The prompt logprobs of the requests whose first output came since the last call."""
+        taken, self.prompt_logprobs = self.prompt_logprobs, {}
+        return taken
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
