@@ -535,6 +535,8 @@ class ModelRunner:
         if step.sampled is None:
             return result
         sampled = step.sampled.resolve()
+        # NOTE: once a request a step: the grammars only asked while one is held
+        grammars = self.grammars if self.grammars is not None and self.grammars.matchers else None
         for request_id, token_id, logprobs in zip(
             step.sample_ids, sampled.token_ids, sampled.logprobs, strict=True
         ):
@@ -543,8 +545,8 @@ class ModelRunner:
             state = self.states.get(request_id)
             if state is not None:
                 state.token_ids.append(token_id)
-                if self.grammars is not None:
-                    self.grammars.consume(request_id, token_id)
+                if grammars is not None:
+                    grammars.consume(request_id, token_id)
                 if state.prompt_logprobs is not None:  # its first sample: with them, once
                     result.prompt_logprobs[request_id] = state.prompt_logprobs
                     state.prompt_logprobs = None
