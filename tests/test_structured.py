@@ -102,3 +102,32 @@ def test_what_is_not_a_grammar_is_named(spec, words):
     with pytest.raises(InvalidRequestError, match="structured_outputs") as e:
         SamplingParams(structured_outputs=spec)
     assert words in str(e.value)
+
+
+def test_any_spec_is_a_grammar_or_a_named_error():
+    """Whatever a request puts in structured_outputs (any JSON under any kind), the result is
+    a grammar or an InvalidRequestError naming the field: nothing else escapes."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=12)
+    )
+    values = st.recursive(
+        scalars,
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+        max_leaves=12,
+    )
+    kinds = st.sampled_from(["json", "json_object", "regex", "choice", "grammar", "other"])
+    schema_keys = st.sampled_from(["type", "properties", "items", "enum", "required", "pattern"])
+    schemas = st.dictionaries(schema_keys, values, max_size=4)
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(kind=kinds, value=st.one_of(values, schemas))
+    def check(kind, value):
+        try:
+            SamplingParams(structured_outputs={kind: value})
+        except InvalidRequestError as e:
+            assert e.field == "structured_outputs"
+
+    check()
