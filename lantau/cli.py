@@ -398,6 +398,14 @@ def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request")
     p.add_argument("--vocab-size", type=int, default=32000, help="random ids are drawn below it")
+    p.add_argument(
+        "--json-schema", default=None, metavar="FILE",
+        help="structured outputs: requests carry this schema (response_format json_schema)",
+    )  # fmt: skip
+    p.add_argument(
+        "--structured-output-ratio", type=float, default=1.0,
+        help="with --json-schema: the share of requests that carry it",
+    )  # fmt: skip
     p.add_argument("--sharegpt-output-len", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--gpu-index", default="0", help="NVML devices of this machine, e.g. 0,1")

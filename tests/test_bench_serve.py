@@ -384,6 +384,29 @@ def test_cli_serve_report_with_before(tmp_path, capsys):
     assert (out / "latency_cdf.png").stat().st_size > 1000
 
 
+def test_cli_json_schema_on_a_share_of_requests(tmp_path):
+    """--json-schema FILE --structured-output-ratio R: round(R * N) of the requests, picked
+    by the seed, carry it as response_format json_schema; the rest none; a bad file or ratio
+    is an error that names it."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    with FakeOpenAIServer(lambda body: Script(ttft_s=0.01, itl_s=0.002)) as server:
+        flags = ["--url", server.url, "--workload", "random:8/4", "--num-prompts", "8",
+                 "--disable-tqdm", "--no-probe", "--json-schema", str(path)]  # fmt: skip
+        assert main(["bench", "serve", *flags, "--structured-output-ratio", "0.5"]) == 0
+        formats = [b.get("response_format") for b in server.bodies]
+    carried = [f for f in formats if f is not None]
+    assert len(formats) == 8 and len(carried) == 4
+    assert all(f == {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+               for f in carried)  # fmt: skip
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--json-schema", str(bad)]) != 0
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--json-schema", str(path),
+                 "--structured-output-ratio", "2"]) != 0  # fmt: skip
+
+
 def test_cli_sweep_stops_at_the_first_slo_miss(tmp_path, capsys):
     """TTFT rises 30 ms with each request already in flight: 4 req/s (no overlap with these
     arrivals) meets TTFT P95 <= 60 ms; 1000 req/s (all six overlap) does not, and 2000 is

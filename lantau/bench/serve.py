@@ -61,6 +61,14 @@ class ServeConfig:
     show_progress: bool = True
     # the server's `--step-log` file (a server on this machine): the run's engine steps
     step_log: str | None = None
+    # structured outputs: this JSON schema (response_format json_schema) for this share of
+    # the requests, chosen by the seed (vLLM's --structured-output-ratio)
+    json_schema: dict | None = None
+    structured_output_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.structured_output_ratio <= 1.0:
+            raise ValueError("--structured-output-ratio must be in [0, 1]")
 
     @property
     def is_chat(self) -> bool:
@@ -193,7 +201,17 @@ def arrival_times(num_requests: int, rate: float, burstiness: float, seed: int) 
     return times
 
 
-def request_body(request: ServeRequest, config: ServeConfig, model: str | None) -> dict:
+def constrained_requests(config: ServeConfig, num_requests: int) -> set[int]:
+    """The requests that carry config.json_schema: round(ratio * N) of them, by the seed."""
+    if config.json_schema is None:
+        return set()
+    count = round(config.structured_output_ratio * num_requests)
+    return set(random.Random(config.seed).sample(range(num_requests), count))
+
+
+def request_body(
+    request: ServeRequest, config: ServeConfig, model: str | None, constrained: bool = False
+) -> dict:
     body: dict = {
         "max_tokens": request.max_tokens,
         "temperature": config.temperature,
@@ -213,6 +231,9 @@ def request_body(request: ServeRequest, config: ServeConfig, model: str | None) 
         ignore_eos = not config.workload.startswith("sharegpt:")
     if ignore_eos:
         body["ignore_eos"] = True
+    if constrained:
+        schema = {"name": "bench", "schema": config.json_schema}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
     return body
 
 
@@ -417,7 +438,8 @@ async def run_serve_async(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = config.model or await _served_model(session, base, headers)
         status = await _server_status(session, base, headers)
-        bodies = [request_body(r, config, model) for r in requests]
+        constrained = constrained_requests(config, len(requests))
+        bodies = [request_body(r, config, model, i in constrained) for i, r in enumerate(requests)]
         if config.is_probed and bodies:
             await _probe(session, base + endpoint, bodies[0], headers)
         payloads = [json.dumps(b).encode() for b in bodies]
@@ -529,7 +551,23 @@ def config_from_args(args) -> ServeConfig:
         is_probed=args.probe,
         show_progress=args.progress,
         step_log=args.step_log,
+        json_schema=_json_schema(args.json_schema),
+        structured_output_ratio=args.structured_output_ratio,
     )
+
+
+def _json_schema(path: str | None) -> dict | None:
+    """`--json-schema FILE`'s schema (None without one); ValueError naming a bad file."""
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            schema = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--json-schema {path}: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: a JSON schema is an object")
+    return schema
 
 
 def parse_rates(text: str) -> list[float]:
