@@ -76,6 +76,59 @@ def test_llama3_json_calls():
         tool_parser("x")
 
 
+def test_forced_calls_follow_the_parsers_format_on_a_real_server():
+    """tool_choice "required" or a named function on `lantau serve random:tiny` with each
+    parser: a random model's answer is still one call of a given tool, its arguments following
+    the tool's parameters, read back as tool_calls."""
+    import httpx
+
+    from tests.test_openai_server import free_port, wait_ready
+
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"], "additionalProperties": False}}},
+        {"type": "function", "function": {"name": "lookup_order", "parameters": {
+            "type": "object", "properties": {"id": {"type": "integer", "minimum": 0,
+                                                    "maximum": 99}},
+            "required": ["id"], "additionalProperties": False}}},
+    ]  # fmt: skip
+    for parser in ("hermes", "llama3_json"):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lantau.cli", "serve", "random:tiny", "--device", "cpu",
+             "--port", str(port), "--grpc-port", "0", "--max-model-len", "512",
+             "--num-kv-blocks", "64", "--enable-auto-tool-choice", "--tool-call-parser", parser],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+            messages = [{"role": "user", "content": "Where is my order?"}]
+            for choice, names in (
+                ("required", {"get_weather", "lookup_order"}),
+                ({"type": "function", "function": {"name": "lookup_order"}}, {"lookup_order"}),
+            ):
+                for seed in range(3):
+                    reply = client.chat.completions.create(
+                        model="random:tiny", messages=messages, tools=tools, tool_choice=choice,
+                        temperature=1.0, seed=seed, max_tokens=60,
+                    ).choices[0]  # fmt: skip
+                    assert reply.finish_reason == "tool_calls", (parser, reply)
+                    (call,) = reply.message.tool_calls
+                    arguments = json.loads(call.function.arguments)
+                    assert call.function.name in names
+                    if call.function.name == "lookup_order":
+                        assert 0 <= arguments["id"] <= 99
+                    else:
+                        assert arguments["city"] in ("Paris", "Rome")
+            status = httpx.get(f"http://127.0.0.1:{port}/status").json()
+            assert status["num_running"] == 0
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
 def test_serve_takes_the_two_flags_together():
     for flags in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
         run = subprocess.run(
@@ -227,9 +280,11 @@ def test_tool_choice_none_and_what_is_refused(served):
     assert reply.message.content == ANSWERS["weather?"] and not reply.message.tool_calls
     assert "Tools:" not in engine.rendered[-1]  # none: the tools are not rendered
     for kwargs, param in (
-        (dict(tool_choice="required"), "tool_choice"),
-        (dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-         "tool_choice"),
+        (dict(tool_choice="always"), "tool_choice"),
+        (dict(tool_choice={"type": "function", "function": {"name": "launch"}}),
+         "tool_choice.function.name"),
+        (dict(tool_choice="required", tools=[]), "tool_choice"),
+        (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
         (dict(tools=[{"type": "function", "function": {"name": ""}}]), "tools[0].function.name"),
     ):  # fmt: skip
         args = dict(messages=[{"role": "user", "content": "weather?"}], tools=TOOLS) | kwargs

@@ -103,11 +103,13 @@ def refuse_unsupported(body: ChatRequest | CompletionRequest) -> None:
         raise InvalidRequestError("functions", "the legacy functions are not supported: use tools")
     if body.function_call not in (None, "none", "auto"):
         raise InvalidRequestError("function_call", "the legacy functions are not supported")
-    if body.tool_choice not in (None, "none", "auto"):
+    choice = body.tool_choice
+    named = isinstance(choice, dict) and choice.get("type", "function") == "function"
+    if choice not in (None, "none", "auto", "required") and not (
+        named and isinstance((choice.get("function") or {}).get("name"), str)
+    ):
         raise InvalidRequestError(
-            "tool_choice",
-            "only 'auto' or 'none': forcing a call ('required', a named function) needs "
-            "guided decoding, which this server does not do",
+            "tool_choice", "expected none, auto, required or {type: function, function: {name}}"
         )
     if body.modalities is not None and set(body.modalities) - {"text"}:
         raise InvalidRequestError("modalities", "only 'text' is supported")
@@ -338,6 +340,8 @@ class OpenAIServer:
     def tools_of(self, body: ChatRequest) -> list[dict] | None:
         """The tools a chat request gives its template and reads calls of (None: none)."""
         if not body.tools or body.tool_choice == "none":
+            if isinstance(body.tool_choice, dict) or body.tool_choice == "required":
+                raise InvalidRequestError("tool_choice", "asks for a call: give the tools")
             return None
         if self.tool_parser is None:
             raise InvalidRequestError(
@@ -346,6 +350,20 @@ class OpenAIServer:
                 "--tool-call-parser NAME",
             )
         return msgspec.to_builtins(body.tools)
+
+    def forced_call(self, body: ChatRequest, tools: list[dict] | None) -> dict | None:
+        """The grammar of the call `tool_choice` forces ("required": any tool; a named
+        function: that one), in the parser's format; None: the model chooses."""
+        choice = body.tool_choice
+        if not tools or choice in (None, "auto"):
+            return None
+        names = [t["function"]["name"] for t in tools]
+        if isinstance(choice, dict):
+            name = choice["function"]["name"]
+            if name not in names:
+                raise InvalidRequestError("tool_choice.function.name", f"{name!r} is not a tool")
+            names = [name]
+        return self.tool_parser.forced(tools, names)
 
     def get_model(self, model: str | None) -> ServedModel:
         """The model a request names (None: the default one)."""
@@ -428,6 +446,12 @@ class OpenAIServer:
             if chat:  # the template and tokenizer run off the event loop when it is long
                 conversation = self.chat_prompt(body, engine.tokenizer)
                 tools = self.tools_of(body)
+                if (forced := self.forced_call(body, tools)) is not None:
+                    if params.structured_outputs is not None:
+                        raise InvalidRequestError(
+                            "tool_choice", "a forced call cannot go with a response format"
+                        )
+                    params = dataclasses.replace(params, structured_outputs=forced)
                 ids = await engine.encode_chat(conversation, tools, **template_options(body))
                 prompts = [{"prompt_token_ids": ids}]
             else:

@@ -11,8 +11,9 @@ answer is read back for calls in its model family's format:
 A call must name one of the request's tools with object arguments, or the answer is plain
 text (content), as it was written. Streamed, the text that may start a call is held back
 until the answer ends; its calls then come in one chunk (`delta.tool_calls`, finish reason
-`tool_calls`). Forcing a call (`tool_choice` "required" or a named function) would need
-guided decoding, which this server does not do.
+`tool_calls`). `tool_choice` "required" or a named function forces one call: the answer is
+held to a grammar of the parser's format around a JSON schema of the tools' parameters
+(`ToolParser.forced`, through lantau/structured.py).
 """
 
 from __future__ import annotations
@@ -47,8 +48,32 @@ def _call_of(obj, names: set[str], arguments_key: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+def call_schema(tools: list[dict], names: list[str], arguments_key: str) -> dict:
+    """The JSON schema of one call of one of `names` (OpenAI-shaped `tools`), its arguments
+    under `arguments_key` following that tool's parameters, written as json.dumps does."""
+    from lantau.structured import JSON_OPTIONS
+
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    calls = []
+    for name in names:
+        parameters = by_name[name].get("parameters") or {"type": "object"}
+        calls.append({
+            "type": "object",
+            "properties": {"name": {"const": name}, arguments_key: parameters},
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+        })  # fmt: skip
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {"x-guidance": JSON_OPTIONS, **schema}
+
+
 class ToolParser:
     name = ""
+
+    def forced(self, tools: list[dict], names: list[str]) -> dict:
+        """A structured_outputs spec whose every answer is one call of one of `names` in this
+        format (`tool_choice` "required" or a named function)."""
+        raise NotImplementedError
 
     def __init_subclass__(cls) -> None:
         PARSERS[cls.name] = cls
@@ -67,6 +92,10 @@ class HermesParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def forced(self, tools: list[dict], names: list[str]) -> dict:
+        schema = json.dumps(call_schema(tools, names, "arguments"))
+        return {"grammar": f'start: "{self.START}\\n" call "\\n{self.END}"\ncall: %json {schema}'}
 
     def extract(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
         first = text.find(self.START)
@@ -96,6 +125,9 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
+
+    def forced(self, tools: list[dict], names: list[str]) -> dict:
+        return {"json": call_schema(tools, names, "parameters")}
 
     def extract(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
         body = text.strip().removeprefix(self.TAG).lstrip()
