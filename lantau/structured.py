@@ -61,7 +61,11 @@ def grammar_of(spec: Any) -> str:
                 raise InvalidRequestError(FIELD, "json_object: expected true")
             grammar = matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         elif kind == "choice":
-            if not value or not all(isinstance(c, str) and c for c in value):
+            if (
+                not isinstance(value, list)
+                or not value
+                or not all(isinstance(c, str) and c for c in value)
+            ):
                 raise InvalidRequestError(FIELD, "choice: expected non-empty strings")
             grammar = matcher.grammar_from_regex("|".join(re.escape(c) for c in value))
         elif not isinstance(value, str) or not value:

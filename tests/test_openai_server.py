@@ -419,6 +419,11 @@ def test_n_samples_ending_apart_send_one_finish_reason_each(client, server):
         ("completions", dict(extra_body={"guided_regex": "("}), "guided_regex"),
         (
             "completions",
+            dict(extra_body={"structured_outputs": {"choice": True}}),
+            "structured_outputs",
+        ),  # fmt: skip
+        (
+            "completions",
             dict(extra_body={"structured_outputs": {"regex": "a", "json": {}}}),
             "structured_outputs",
         ),  # fmt: skip

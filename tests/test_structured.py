@@ -107,7 +107,7 @@ def test_what_is_not_a_grammar_is_named(spec, words):
 def test_any_spec_is_a_grammar_or_a_named_error():
     """Whatever a request puts in structured_outputs (any JSON under any kind), the result is
     a grammar or an InvalidRequestError naming the field: nothing else escapes."""
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
 
     scalars = st.one_of(
@@ -122,8 +122,16 @@ def test_any_spec_is_a_grammar_or_a_named_error():
     schema_keys = st.sampled_from(["type", "properties", "items", "enum", "required", "pattern"])
     schemas = st.dictionaries(schema_keys, values, max_size=4)
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    # NOTE: derandomized, so that CI runs the same 600 examples every time; a run that found
+    # {"choice": true} escaping as a TypeError is pinned below
+    @settings(
+        max_examples=600, deadline=None, derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )  # fmt: skip
     @given(kind=kinds, value=st.one_of(values, schemas))
+    @example(kind="choice", value=True)
+    @example(kind="choice", value="red")
+    @example(kind="json", value=[1])
     def check(kind, value):
         try:
             SamplingParams(structured_outputs={kind: value})
