@@ -79,9 +79,15 @@ def grammar_of(spec: Any) -> str:
                 grammar = matcher.grammar_from_lark(any_to_lark(value))
             except GbnfToLarkError as e:
                 raise InvalidRequestError(FIELD, f"{kind}: {e}") from None
+        error = matcher.validate_grammar(grammar)
+    except InvalidRequestError:
+        raise
     except ValueError as e:  # a schema that is not valid JSON
         raise InvalidRequestError(FIELD, f"{kind}: {e}") from None
-    error = matcher.validate_grammar(grammar)
+    except BaseException as e:  # NOTE: a Rust panic in llguidance is a BaseException
+        if type(e).__name__ != "PanicException":
+            raise
+        raise InvalidRequestError(FIELD, f"{kind}: the grammar library could not read it") from None
     if error:
         raise InvalidRequestError(FIELD, f"{kind}: {error.splitlines()[0][:300]}")
     return grammar
