@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lantau import LLM, SamplingParams
+from tests.strategies import json_values
 
 MODEL = "random:tiny"
 API_KEY = "test-key-123"
@@ -761,14 +762,7 @@ def test_fuzz_tokenize_and_detokenize(server):
     client = httpx.Client(headers={"x-api-key": API_KEY}, timeout=30)
     fields = ["model", "prompt", "messages", "tools", "tokens", "add_special_tokens",
               "add_generation_prompt", "return_token_strs"]  # fmt: skip
-    scalars = st.one_of(
-        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=8)
-    )
-    values = st.recursive(
-        scalars,
-        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
-        max_leaves=8,
-    )
+    values = json_values()
     # NOTE: json, not orjson: integers past 64 bits and NaN too
     bodies = st.dictionaries(st.sampled_from(fields), values, max_size=4).map(
         lambda b: json.dumps(b).encode()

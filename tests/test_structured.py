@@ -110,14 +110,9 @@ def test_any_spec_is_a_grammar_or_a_named_error():
     from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
 
-    scalars = st.one_of(
-        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=12)
-    )
-    values = st.recursive(
-        scalars,
-        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-        max_leaves=12,
-    )
+    from tests.strategies import json_values
+
+    values = json_values(max_size=4, max_leaves=12, max_text=12)
     kinds = st.sampled_from(["json", "json_object", "regex", "choice", "grammar", "other"])
     schema_keys = st.sampled_from(["type", "properties", "items", "enum", "required", "pattern"])
     schemas = st.dictionaries(schema_keys, values, max_size=4)

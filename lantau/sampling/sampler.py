@@ -165,26 +165,27 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Each row's logit_bias added to its logits (a new tensor; `logits` as it is when no
     row has one)."""
-    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
-    if not biased:
+    if not any(r.params.logit_bias for r in rows):
         return logits
-    row_ids = [i for i, bias in biased for _ in bias]
-    token_ids = [t for _, bias in biased for t in bias]
-    values = [b for _, bias in biased for b in bias.values()]
-    device = logits.device
-    index = (to_device(row_ids, device, torch.int64), to_device(token_ids, device, torch.int64))
-    return logits.index_put(index, to_device(values, device, logits.dtype), accumulate=True)
+    biases = [r.params.logit_bias or {} for r in rows]
+    values = [b for bias in biases for b in bias.values()]
+    index = _row_token_index(logits.device, biases)  # a bias's keys are its tokens
+    return logits.index_put(index, to_device(values, logits.device, logits.dtype), accumulate=True)
 
 
 def ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Each row's banned tokens at -inf (a new tensor; `logits` as it is when none is)."""
     if not any(r.banned for r in rows):
         return logits
-    row_ids = [i for i, r in enumerate(rows) for _ in r.banned]
-    token_ids = [t for r in rows for t in r.banned]
-    device = logits.device
-    index = (to_device(row_ids, device, torch.int64), to_device(token_ids, device, torch.int64))
-    return logits.index_put(index, torch.tensor(float("-inf"), device=device))
+    index = _row_token_index(logits.device, [r.banned for r in rows])
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def _row_token_index(device: torch.device, tokens_by_row) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, tokens) on the device indexing each row's tokens, row by row."""
+    row_ids = [i for i, tokens in enumerate(tokens_by_row) for _ in tokens]
+    token_ids = [t for tokens in tokens_by_row for t in tokens]
+    return to_device(row_ids, device, torch.int64), to_device(token_ids, device, torch.int64)
 
 
 def allow_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
