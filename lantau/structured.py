@@ -160,3 +160,14 @@ def tokenizer_json(tokenizer) -> str:
     """An HF fast tokenizer's tokenizer.json, as text."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer._tokenizer
     return backend.to_str()
+
+
+def model_tokenizer_json(source) -> str:
+    """A model source's tokenizer.json as text (the engine core's and its workers'
+    `Grammars`); InvalidRequestError if the model has no tokenizer."""
+    from lantau.model.source import load_tokenizer
+
+    tokenizer = load_tokenizer(source)
+    if tokenizer is None:
+        raise InvalidRequestError(FIELD, "this model has no tokenizer")
+    return tokenizer_json(tokenizer)

@@ -39,6 +39,7 @@ from lantau.request import FinishReason, Request, SamplingParams, validate_promp
 from lantau.runner.model_runner import LaunchedStep, ModelRunner
 from lantau.scheduler.output import EngineCoreOutput, SchedulerOutput
 from lantau.scheduler.scheduler import Scheduler
+from lantau.structured import model_tokenizer_json
 
 # the served loop paces its steps only while requests keep arriving: with none in this long
 # (a burst's tail, a quiet server) no arrival is there to join the next step, and steps launch
@@ -118,7 +119,11 @@ class EngineCore:
         self.last_batch_size = 0  # requests scheduled by the last step, for stats
         self.last_num_batched_tokens = 0
         self.runner = ModelRunner(
-            self.config, model, num_blocks, self.device, functools.partial(_tokenizer_json, source)
+            self.config,
+            model,
+            num_blocks,
+            self.device,
+            functools.partial(model_tokenizer_json, source),
         )
         if self.workers is not None:  # each call that moves state, repeated on the workers
             self.runner = SplitRunner(self.runner, self.workers)
@@ -293,14 +298,3 @@ class StepTimer:
         seconds = self.start.elapsed_time(self.end) / 1000
         pacer.timed(key, seconds)
         return seconds
-
-
-def _tokenizer_json(source: ModelSource) -> str:
-    """The model's tokenizer.json as text, for structured outputs' grammars."""
-    from lantau.model.source import load_tokenizer
-    from lantau.structured import tokenizer_json
-
-    tokenizer = load_tokenizer(source)
-    if tokenizer is None:
-        raise InvalidRequestError("structured_outputs", "this model has no tokenizer")
-    return tokenizer_json(tokenizer)

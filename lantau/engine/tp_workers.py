@@ -299,11 +299,11 @@ def run_worker(
     num_blocks = agree_num_blocks(
         config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
     )
-    from lantau.engine.core import _tokenizer_json
+    from lantau.structured import model_tokenizer_json
 
     runner = ModelRunner(
         config.with_num_blocks(num_blocks), model, num_blocks, device,
-        functools.partial(_tokenizer_json, source),
+        functools.partial(model_tokenizer_json, source),
     )  # fmt: skip
     _serve_rank_zero(runner, pipe)
     leave_group()
