@@ -274,7 +274,8 @@ def build(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     try:
-        check_dtype_available(args.dtype)  # a bad name is refused before torch loads
+        if args.dtype != "auto":  # a bad name is refused before torch loads
+            check_dtype_available(args.dtype)
         if args.compile_kernels:  # refused before any work without the GPU it compiles for
             from lantau.model.kernel_cache import check_can_compile_kernels
 
@@ -526,7 +527,11 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build", help="an engine folder (REPO/NAME/VERSION) from a model")
     p.add_argument("src", help="HF folder, .gguf file or random:NAME")
     p.add_argument("--out", required=True, help="the engine folder, e.g. REPO/NAME/VERSION")
-    p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="bf16 | fp16 | fp32 | fp8 (auto: fp8 for an FP8 checkpoint, else bf16)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random weights' seed")
     p.add_argument("--device", default="auto", help="where the model is built (auto: CUDA)")
     p.add_argument(

@@ -70,7 +70,8 @@ def build_engine_config(
     if max_num_batched_tokens is None:
         max_num_batched_tokens = 4096 if enable_chunked_prefill else max_len
     dtype = dtype_name(dtype)
-    quantization = "fp8" if dtype == "fp8" else None
+    # "auto": the checkpoint's own (an FP8 checkpoint runs in fp8); a wide dtype dequantizes
+    quantization = {"fp8": "fp8", "auto": model_config.quantization}.get(dtype)
     if quantization is not None:
         dtype = "bfloat16"  # _scaled_mm's row-wise scaling writes bf16
     config = EngineConfig(

@@ -54,7 +54,7 @@ def build_engine(
     src: str,
     out: str | Path,
     *,
-    dtype: str = "bf16",
+    dtype: str = "auto",
     seed: int = 0,
     device: str = "auto",
     max_shard_bytes: int = 1 << 30,
@@ -63,7 +63,8 @@ def build_engine(
     """Write the engine folder `out` (which must not hold a finished build) and return its
     manifest."""
     out = Path(out)
-    stored_dtype = check_dtype_available(dtype)
+    if dtype != "auto":
+        check_dtype_available(dtype)
     if (out / MANIFEST_NAME).exists():
         raise ModelLoadError(
             f"{out}: already a built engine; versions are immutable: build into a new "
@@ -71,9 +72,12 @@ def build_engine(
         )
     source = resolve_model_source(src)
     config = read_model_config(source)
+    if dtype == "auto":  # the checkpoint's own: fp8 for an FP8 one, else bf16
+        dtype = "fp8" if config.quantization == "fp8" else "bf16"
+    stored_dtype = check_dtype_available(dtype)
     torch_dtype = torch.bfloat16 if stored_dtype == "fp8" else getattr(torch, stored_dtype)
-    if stored_dtype == "fp8":
-        config = dataclasses.replace(config, quantization="fp8")  # e4m3 linears, bf16 rest
+    # e4m3 linears, bf16 rest; an FP8 checkpoint built wide is dequantized
+    config = dataclasses.replace(config, quantization="fp8" if stored_dtype == "fp8" else None)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tp_size = tensor_parallel_size

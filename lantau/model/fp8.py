@@ -14,6 +14,9 @@ weights itself (lantau/kernels/gemv.py).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +49,48 @@ def dequantize_rows(
     return (q.float() * scale[:, None]).to(dtype)
 
 
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A checkpoint's e4m3 weight with one fp32 scale a row (a tensor-wide scale repeated):
+    copied into an Fp8Linear as it is, or dequantized for a layer kept wide."""
+
+    q: torch.Tensor  # [N, K] e4m3
+    scale: torch.Tensor  # [N] fp32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_rows(self.q, self.scale, dtype)
+
+
+def checkpoint_weight(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None
+) -> QuantizedWeight | torch.Tensor:
+    """An FP8 checkpoint's weight q [N, K] (e4m3) with its scale (lantau/model/hf_quant.py):
+    one for the tensor ([] or [1]) or one a row ([N] or [N, 1]) gives a QuantizedWeight as
+    stored; one a `block` of [rows, columns] ([ceil(N / rows), ceil(K / columns)]) has no
+    row-wise form, so the weight comes dequantized in fp32 (an Fp8Linear quantizes it again
+    by row). ValueError for a scale of another shape."""
+    if q.dtype != E4M3 or q.dim() != 2:
+        raise ValueError(f"a {q.dtype} weight of shape {tuple(q.shape)}: only 2-D e4m3fn is read")
+    n, k = q.shape
+    scale = scale.float()
+    if scale.numel() == 1:
+        return QuantizedWeight(q, scale.reshape(1).expand(n).contiguous())
+    if tuple(scale.shape) in ((n,), (n, 1)):
+        return QuantizedWeight(q, scale.reshape(n).contiguous())
+    if block is not None and scale.shape == (math.ceil(n / block[0]), math.ceil(k / block[1])):
+        rows = scale.repeat_interleave(block[0], dim=0)[:n]
+        return q.float() * rows.repeat_interleave(block[1], dim=1)[:, :k]
+    layout = f"blocks of {block[0]}x{block[1]}" if block else "no blocks"
+    raise ValueError(
+        f"scale of shape {tuple(scale.shape)} fits neither the tensor, its {n} rows nor "
+        f"{layout} of the weight's {n}x{k}"
+    )
+
+
 class Fp8Linear(nn.Module):
     """A linear layer whose weight is e4m3 with one fp32 scale a row; bias in the activation
     dtype. Allocated in e4m3 directly (no wide intermediate); filled by `load_rows`. NOTE:
@@ -60,11 +105,15 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), False) if bias else None
 
     @torch.no_grad()
-    def load_rows(self, rows: slice, weight: torch.Tensor) -> None:
+    def load_rows(self, rows: slice, weight: torch.Tensor | QuantizedWeight) -> None:
         """Quantize `weight` (the rows `rows` of the full matrix, any float dtype, any device)
         on this layer's device into those rows: one tensor at a time, so loading needs no
-        more than one wide tensor beside the model."""
-        q, scale = quantize_rows(weight.to(self.weight.device))
+        more than one wide tensor beside the model. A QuantizedWeight (an FP8 checkpoint's)
+        is copied as it is."""
+        if isinstance(weight, QuantizedWeight):
+            q, scale = weight.q, weight.scale
+        else:
+            q, scale = quantize_rows(weight.to(self.weight.device))
         self.weight[rows].copy_(q)
         self.weight_scale[rows].copy_(scale)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,21 +12,44 @@ from safetensors import SafetensorError, safe_open
 
 from lantau.config import ModelConfig
 from lantau.errors import ModelLoadError
+from lantau.model.hf_quant import UNUSED_SCALES, CheckpointQuantization, checkpoint_quantization
 
 if TYPE_CHECKING:  # NOTE: configs and tokenizers are read without torch (the frontend)
     import torch
 
+    from lantau.model.fp8 import QuantizedWeight
 
-def read_hf_config(folder: Path) -> ModelConfig:
+
+def _read_config_json(folder: Path) -> dict:
     path = folder / "config.json"
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}: cannot read the model config: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    return data
+
+
+def read_hf_quantization(folder: Path) -> CheckpointQuantization | None:
+    """The checkpoint's FP8 scheme (lantau/model/hf_quant.py), None when unquantized."""
     try:
-        return ModelConfig.from_hf(data)
+        return checkpoint_quantization(_read_config_json(folder))
+    except ValueError as e:
+        raise ModelLoadError(f"{folder / 'config.json'}: {e}") from e
+
+
+def read_hf_config(folder: Path) -> ModelConfig:
+    """The model's shape; an FP8 checkpoint's is `quantization="fp8"` (how it runs unless the
+    engine's dtype says otherwise)."""
+    path = folder / "config.json"
+    data = _read_config_json(folder)
+    quantization = read_hf_quantization(folder)
+    try:
+        config = ModelConfig.from_hf(data)
     except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{path}: unsupported or incomplete config: {e}") from e
+    return dataclasses.replace(config, quantization="fp8" if quantization else None)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -35,8 +59,54 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) for every tensor, one file memory-mapped at a time."""
+def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(HF name, CPU tensor) for every tensor, one file memory-mapped at a time; an FP8
+    checkpoint's e4m3 weights come with their scales (`paired_fp8_weights`)."""
+    quantization = read_hf_quantization(folder)
+    tensors = _iter_tensors(folder)
+    return paired_fp8_weights(tensors, quantization) if quantization else tensors
+
+
+def paired_fp8_weights(
+    tensors: Iterator[tuple[str, torch.Tensor]], quantization: CheckpointQuantization
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """An FP8 checkpoint's tensors with each e4m3 `X.weight` and its `X.weight_scale` (or
+    `X.weight_scale_inv`) as one `X.weight` (fp8.checkpoint_weight: a QuantizedWeight, or fp32
+    for block-wise scales), whichever comes first held until the other does; the scales lantau
+    does not use dropped (hf_quant.UNUSED_SCALES); the rest as they are."""
+    import torch
+
+    from lantau.model.fp8 import checkpoint_weight
+
+    weights: dict[str, torch.Tensor] = {}  # module -> e4m3 weight waiting for its scale
+    scales: dict[str, torch.Tensor] = {}  # module -> scale waiting for its weight
+    for name, tensor in tensors:
+        module, _, leaf = name.rpartition(".")
+        if leaf in UNUSED_SCALES:
+            continue
+        if leaf in ("weight_scale", "weight_scale_inv"):
+            scales[module] = tensor
+        elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if leaf != "weight" or tensor.dtype != torch.float8_e4m3fn:
+                raise ModelLoadError(f"{name}: {tensor.dtype} is not read (only e4m3fn weights)")
+            weights[module] = tensor
+        else:
+            yield name, tensor
+            continue
+        if module in weights and module in scales:
+            try:
+                q, scale = weights.pop(module), scales.pop(module)
+                weight = checkpoint_weight(q, scale, quantization.block)
+            except ValueError as e:
+                raise ModelLoadError(f"{module}.weight: {e}") from e
+            yield f"{module}.weight", weight
+    if weights:
+        raise ModelLoadError(f"e4m3 weights without a weight_scale: {sorted(weights)[:4]}")
+    if scales:
+        raise ModelLoadError(f"weight scales without an e4m3 weight: {sorted(scales)[:4]}")
+
+
+def _iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in _safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:

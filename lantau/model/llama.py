@@ -16,7 +16,7 @@ from torch import nn
 from lantau.config import KernelConfig, ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
 from lantau.model.forward_context import ForwardContext
-from lantau.model.fp8 import E4M3, Fp8Linear, linear_layer
+from lantau.model.fp8 import E4M3, Fp8Linear, QuantizedWeight, linear_layer
 from lantau.model.ops import Ops, build_cos_sin_cache, make_ops
 from lantau.model.parallel import SINGLE, TensorParallel
 
@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            tensor = self.tp.shard(hf_name, tensor, self.config)  # this rank's part
+            tensor = self._shard(hf_name, tensor)  # this rank's part
             parts = hf_name.split(".")
             target, rows = hf_name, slice(None)
             if len(parts) >= 2 and parts[-2] in self.STACKED:
@@ -248,8 +248,10 @@ class LlamaForCausalLM(nn.Module):
                     f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected "
                     f"{tuple(dst.shape)}"
                 )
-            if param.dtype == E4M3:  # quantized as it loads, one tensor at a time
+            if param.dtype == E4M3:  # quantized as it loads (or copied), a tensor at a time
                 self.get_submodule(target.removesuffix(".weight")).load_rows(rows, tensor)
+            elif isinstance(tensor, QuantizedWeight):  # an FP8 checkpoint's, kept wide here
+                dst.copy_(tensor.dequantize(dst.dtype))
             else:
                 dst.copy_(tensor)
         for target, done in shards.items():
@@ -263,6 +265,14 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ModelLoadError(f"weights missing from the checkpoint: {missing[:8]}")
+
+    def _shard(self, hf_name: str, tensor: torch.Tensor | QuantizedWeight):
+        if isinstance(tensor, QuantizedWeight):  # its row scales sliced as its rows
+            return QuantizedWeight(
+                self.tp.shard(hf_name, tensor.q, self.config),
+                self.tp.shard_row_values(hf_name, tensor.scale, self.config),
+            )
+        return self.tp.shard(hf_name, tensor, self.config)
 
     @torch.no_grad()
     def init_random_weights(self, seed: int) -> None:

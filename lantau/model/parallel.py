@@ -79,6 +79,14 @@ class TensorParallel:
             return whole[:, self.part(whole.shape[1], f"{module} input columns")]
         return whole[self.part(whole.shape[0], "vocab_size")]  # lm_head
 
+    def shard_row_values(self, name: str, per_row: torch.Tensor, config) -> torch.Tensor:
+        """This rank's part of a vector with one value a row of the whole tensor `name` (an
+        fp8 weight's row scales): sliced as those rows are, whole where the ranks split the
+        columns or nothing."""
+        if split_axis(name) != 0:
+            return per_row
+        return self.shard(name, per_row[:, None], config)[:, 0]
+
     def whole_shape(self, name: str, shape: torch.Size) -> tuple[int, ...]:
         """The whole model's shape of a tensor whose slice on this rank has `shape`."""
         whole = list(shape)
