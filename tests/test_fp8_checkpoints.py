@@ -93,6 +93,12 @@ FORMATS = {
         quant_method="fp8", activation_scheme="dynamic", fmt="e4m3",
         weight_block_size=list(BLOCK), modules_to_not_convert=["lm_head"],
     ),
+    # NVIDIA's nvidia/*-FP8 (TensorRT-LLM's): the older layout, in hf_quant_config.json
+    "modelopt": dict(
+        producer={"name": "modelopt", "version": "0.19.0"},
+        quantization={"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                      "exclude_modules": ["lm_head"]},
+    ),
     "fbgemm_fp8": dict(
         quant_method="fbgemm_fp8", activation_scale_ub=1200.0,
         modules_to_not_convert=["lm_head", *(f"model.layers.{i}.self_attn" for i in range(2))],
@@ -117,9 +123,11 @@ def write_fp8_checkpoint(src, dst, kind: str) -> dict[str, tuple]:
             q, scale = by_channel(w, torch.bfloat16)
         elif kind == "fbgemm_fp8":
             q, scale = by_channel(w)
-        elif kind == "compressed-tensors-tensor":
+        elif kind in ("compressed-tensors-tensor", "modelopt"):
             q, scale = by_tensor(w)
             out[f"{module}.input_scale"] = torch.tensor(0.02)  # static: lantau quantizes by token
+            if kind == "modelopt" and module.endswith(("k_proj", "v_proj")):
+                out[f"{module}.{module[-6]}_scale"] = torch.tensor(1.5)  # KV scales, unused
         else:
             q, scale = by_block(w, BLOCK)
         out[name] = q
@@ -139,7 +147,10 @@ def write_fp8_checkpoint(src, dst, kind: str) -> dict[str, tuple]:
     rest = {n: t.contiguous() for n, t in out.items() if n not in scale_names}
     save_file(rest, dst / "model-00002-of-00002.safetensors")
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = FORMATS[kind]
+    if kind == "modelopt":
+        (dst / "hf_quant_config.json").write_text(json.dumps(FORMATS[kind]))
+    else:
+        config["quantization_config"] = FORMATS[kind]
     (dst / "config.json").write_text(json.dumps(config))
     for extra in src.iterdir():
         if extra.suffix != ".safetensors" and extra.name != "config.json":
@@ -307,6 +318,7 @@ def _with_config(tiny_llama_dir, tmp_path, quantization) -> str:
             "num_bits": 8, "type": "float", "strategy": "group"}}}}, r"strategy: 'group'"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size: \[128\]"),
         ([1, 2], r"quantization_config: not an object"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, r"quant_algo: 'NVFP4' is not"),
     ],
 )  # fmt: skip
 def test_unsupported_quantizations_are_named(tiny_llama_dir, tmp_path, quantization, match):

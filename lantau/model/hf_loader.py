@@ -20,8 +20,11 @@ if TYPE_CHECKING:  # NOTE: configs and tokenizers are read without torch (the fr
     from lantau.model.fp8 import QuantizedWeight
 
 
-def _read_config_json(folder: Path) -> dict:
-    path = folder / "config.json"
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+def _read_config_json(folder: Path, name: str = "config.json") -> dict:
+    path = folder / name
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -33,8 +36,12 @@ def _read_config_json(folder: Path) -> dict:
 
 def read_hf_quantization(folder: Path) -> CheckpointQuantization | None:
     """The checkpoint's FP8 scheme (lantau/model/hf_quant.py), None when unquantized."""
+    config = _read_config_json(folder)
+    hf_quant = None  # ModelOpt's older checkpoints describe it beside config.json
+    if "quantization_config" not in config and (folder / HF_QUANT_CONFIG).is_file():
+        hf_quant = _read_config_json(folder, HF_QUANT_CONFIG)
     try:
-        return checkpoint_quantization(_read_config_json(folder))
+        return checkpoint_quantization(config, hf_quant)
     except ValueError as e:
         raise ModelLoadError(f"{folder / 'config.json'}: {e}") from e
 

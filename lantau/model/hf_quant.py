@@ -7,7 +7,9 @@ lantau reads the FP8 (e4m3) checkpoints published for vLLM and TensorRT-LLM user
   config groups of 8-bit float weights by channel, by tensor or by block;
 - `fp8` (transformers' fine-grained FP8, e.g. Qwen's `*-FP8`): e4m3 weights with
   `weight_scale_inv` by block (`weight_block_size`) or `weight_scale` by tensor;
-- `fbgemm_fp8` (Meta's `*-FP8`): e4m3 weights by channel.
+- `fbgemm_fp8` (Meta's `*-FP8`): e4m3 weights by channel;
+- `modelopt` FP8 (NVIDIA's `nvidia/*-FP8`, TensorRT-LLM's own): e4m3 weights by tensor,
+  described in config.json or in the older `hf_quant_config.json` beside it.
 
 The tensors themselves say which layers are e4m3 (a scale beside each); `hf_loader` pairs them
 and `lantau.model.fp8.checkpoint_weight` reads each scale's layout. Activations are quantized
@@ -20,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-FP8_METHODS = ("compressed-tensors", "fp8", "fbgemm_fp8")
+FP8_METHODS = ("compressed-tensors", "fp8", "fbgemm_fp8", "modelopt")
+MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")  # the quant_algo values that are e4m3 weights
 # the per-tensor extras a checkpoint may carry beside its e4m3 weights, which lantau does not
 # use: static activation scales, and the KV cache's or attention's calibrated scales
 UNUSED_SCALES = frozenset({
@@ -38,10 +41,18 @@ class CheckpointQuantization:
     block: tuple[int, int] | None = None  # [rows, columns] of a block-wise scale's blocks
 
 
-def checkpoint_quantization(config: dict[str, Any]) -> CheckpointQuantization | None:
-    """The checkpoint's FP8 scheme from its config.json dict; None for an unquantized one.
-    ValueError naming the field for a quantization lantau does not read."""
+def checkpoint_quantization(
+    config: dict[str, Any], hf_quant: dict[str, Any] | None = None
+) -> CheckpointQuantization | None:
+    """The checkpoint's FP8 scheme from its config.json dict (or ModelOpt's older
+    hf_quant_config.json, `hf_quant`); None for an unquantized one. ValueError naming the
+    field for a quantization lantau does not read."""
     q = config.get("quantization_config")
+    if q is None and hf_quant is not None:
+        section = hf_quant.get("quantization") if isinstance(hf_quant, dict) else None
+        if not isinstance(section, dict):
+            raise ValueError("hf_quant_config.json: no quantization object")
+        q = {"quant_method": "modelopt", **section}
     if q is None:
         return None
     if not isinstance(q, dict):
@@ -55,6 +66,14 @@ def checkpoint_quantization(config: dict[str, Any]) -> CheckpointQuantization | 
         )
     if method == "compressed-tensors":
         return CheckpointQuantization(method, _compressed_tensors_block(q))
+    if method == "modelopt":
+        algo = str(q.get("quant_algo")).upper()
+        if algo not in MODELOPT_FP8:
+            raise ValueError(
+                f"quantization_config.quant_algo: {q.get('quant_algo')!r} is not supported "
+                f"(ModelOpt's {', '.join(MODELOPT_FP8)} are)"
+            )
+        return CheckpointQuantization(method)
     if method == "fp8":
         block = q.get("weight_block_size")
         return CheckpointQuantization(method, _block(block, "weight_block_size") if block else None)
