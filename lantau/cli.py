@@ -101,6 +101,13 @@ def _add_observability_args(p: argparse.ArgumentParser) -> None:
         help="one JSON line per inference request on stderr (logger lantau.requests)",
     )
     p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|FOLDER",
+        help="sampling defaults for what a request leaves out: the model's "
+        "generation_config.json (auto), OpenAI's (vllm), or FOLDER's generation_config.json",
+    )
+    p.add_argument(
         "--step-log",
         metavar="FILE",
         help="every engine core appends one JSON line a step to FILE: when it began, host and "
@@ -160,6 +167,14 @@ def serve(args: argparse.Namespace) -> int:
     if isinstance(repository, str):
         print(f"lantau serve: {repository}", file=sys.stderr)
         return 2
+    from lantau.errors import ModelLoadError
+    from lantau.model.generation_config import check_mode
+
+    try:
+        check_mode(args.generation_config)
+    except ModelLoadError as e:
+        print(f"lantau serve: {e}", file=sys.stderr)
+        return 2
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         print("lantau serve: --enable-auto-tool-choice and --tool-call-parser go together",
               file=sys.stderr)  # fmt: skip
@@ -199,6 +214,7 @@ def serve(args: argparse.Namespace) -> int:
         enable_metrics=args.enable_metrics,
         metrics_buckets=tuple(args.metrics_buckets or ()),
         log_requests=args.log_requests,
+        generation_config=args.generation_config,
     )
     try:
         import uvloop

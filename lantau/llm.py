@@ -10,6 +10,7 @@ from lantau.engine.args import build_engine_config
 from lantau.engine.core import EngineCore
 from lantau.engine.llm_engine import LLMEngine
 from lantau.errors import InvalidRequestError
+from lantau.model.generation_config import model_sampling_defaults, source_folder
 from lantau.model.source import borrowed_vocab_size, load_tokenizer
 from lantau.outputs import RequestOutput
 from lantau.request import SamplingParams
@@ -22,8 +23,12 @@ Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
 class LLM:
     """Generate offline: batches everything it is given, returns outputs in input order."""
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
+    def __init__(self, model: str | None = None, generation_config: str = "auto", **kwargs) -> None:
+        """`generation_config`: the defaults of `get_default_sampling_params` (vLLM's), the
+        model's generation_config.json ("auto"), SamplingParams' own ("vllm"), or a folder's
+        (lantau/model/generation_config.py)."""
         config, source = build_engine_config(model, **kwargs)
+        self.sampling_defaults = model_sampling_defaults(source_folder(source), generation_config)
         self.tokenizer = load_tokenizer(source)
         fold = borrowed_vocab_size(source, config.model_config, self.tokenizer)
         self.engine = LLMEngine(EngineCore(config, source), self.tokenizer, fold)
@@ -37,6 +42,12 @@ class LLM:
         """Forget every cached prefix not in use (the next prompts start cold)."""
         return self.engine.core.reset_prefix_cache()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: SamplingParams' own
+        defaults with the model's (its generation_config.json's temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens) over them."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -46,7 +57,9 @@ class LLM:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = (
+            sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        )
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

@@ -500,7 +500,7 @@ def test_overload_is_resource_exhausted():
     from lantau.server.kserve_http import ErrorCode, make_kserve_router
 
     class OverloadedEngine:
-        dead, max_model_len = None, 512
+        dead, max_model_len, sampling_defaults = None, 512, {}
 
         async def generate(self, *args, **kwargs):
             raise EngineOverloadedError("1024 requests pending")

@@ -46,6 +46,7 @@ class EchoEngine:
         self.token_id = 1
         self.max_pending_requests = max_pending_requests
         self.tokenizer = None  # the routes then refuse chat (no template); completions work
+        self.sampling_defaults: dict = {}  # the model's (none): AsyncLLM's
         # NOTE: as in AsyncLLM, a request is in here exactly while its generate() runs; nothing
         # is ever put in the queues (there is no core to hear from)
         self.queues: dict[str, asyncio.Queue] = {}

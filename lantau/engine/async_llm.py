@@ -133,8 +133,12 @@ class AsyncLLM:
         max_pending_tokens: int = 1 << 20,
         live_max_silence_s: float = 30.0,
         metrics: EngineMetrics | None = None,
+        sampling_defaults: dict | None = None,
     ) -> None:
         self.config = config
+        # SamplingParams field -> the model's default, for what a request leaves out
+        # (lantau/model/generation_config.py)
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.metrics = metrics  # None: --disable-metrics, nothing is timed or counted
         self.live_max_silence_s = live_max_silence_s
         self.max_pending_requests = max_pending_requests

@@ -65,14 +65,35 @@ class QuantizedWeight:
         return dequantize_rows(self.q, self.scale, dtype)
 
 
+@dataclass(frozen=True)
+class BlockQuantizedWeight:
+    """A checkpoint's e4m3 weight with a scale a [rows, columns] block: no row-wise form, so it
+    is dequantized where the model lives (`dequantize(device)`), and an Fp8Linear quantizes
+    it again by row."""
+
+    q: torch.Tensor  # [N, K] e4m3
+    scale: torch.Tensor  # [ceil(N / rows), ceil(K / columns)] fp32
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, device: torch.device | None = None) -> torch.Tensor:
+        """[N, K] fp32 on `device` (the host's copy of the e4m3 bytes only crosses once)."""
+        (rows, columns), (n, k) = self.block, self.q.shape
+        q, scale = self.q.to(device), self.scale.to(device)
+        wide = scale.repeat_interleave(rows, dim=0)[:n].repeat_interleave(columns, dim=1)
+        return q.float() * wide[:, :k]
+
+
 def checkpoint_weight(
     q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None
-) -> QuantizedWeight | torch.Tensor:
+) -> QuantizedWeight | BlockQuantizedWeight:
     """An FP8 checkpoint's weight q [N, K] (e4m3) with its scale (lantau/model/hf_quant.py):
     one for the tensor ([] or [1]) or one a row ([N] or [N, 1]) gives a QuantizedWeight as
-    stored; one a `block` of [rows, columns] ([ceil(N / rows), ceil(K / columns)]) has no
-    row-wise form, so the weight comes dequantized in fp32 (an Fp8Linear quantizes it again
-    by row). ValueError for a scale of another shape."""
+    stored; one a `block` of [rows, columns] ([ceil(N / rows), ceil(K / columns)]) a
+    BlockQuantizedWeight. ValueError for a scale of another shape."""
     if q.dtype != E4M3 or q.dim() != 2:
         raise ValueError(f"a {q.dtype} weight of shape {tuple(q.shape)}: only 2-D e4m3fn is read")
     n, k = q.shape
@@ -82,8 +103,7 @@ def checkpoint_weight(
     if tuple(scale.shape) in ((n,), (n, 1)):
         return QuantizedWeight(q, scale.reshape(n).contiguous())
     if block is not None and scale.shape == (math.ceil(n / block[0]), math.ceil(k / block[1])):
-        rows = scale.repeat_interleave(block[0], dim=0)[:n]
-        return q.float() * rows.repeat_interleave(block[1], dim=1)[:, :k]
+        return BlockQuantizedWeight(q, scale, block)
     layout = f"blocks of {block[0]}x{block[1]}" if block else "no blocks"
     raise ValueError(
         f"scale of shape {tuple(scale.shape)} fits neither the tensor, its {n} rows nor "

@@ -12,12 +12,15 @@ from safetensors import SafetensorError, safe_open
 
 from lantau.config import ModelConfig
 from lantau.errors import ModelLoadError
+from lantau.model.generation_config import eos_token_ids, read_generation_config
 from lantau.model.hf_quant import UNUSED_SCALES, CheckpointQuantization, checkpoint_quantization
 
 if TYPE_CHECKING:  # NOTE: configs and tokenizers are read without torch (the frontend)
     import torch
 
-    from lantau.model.fp8 import QuantizedWeight
+    from lantau.model.fp8 import BlockQuantizedWeight, QuantizedWeight
+
+    HfWeight = QuantizedWeight | BlockQuantizedWeight
 
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -48,7 +51,8 @@ def read_hf_quantization(folder: Path) -> CheckpointQuantization | None:
 
 def read_hf_config(folder: Path) -> ModelConfig:
     """The model's shape; an FP8 checkpoint's is `quantization="fp8"` (how it runs unless the
-    engine's dtype says otherwise)."""
+    engine's dtype says otherwise). Its end tokens are config.json's and generation_config.
+    json's (an instruct model's end of turn may be named only there)."""
     path = folder / "config.json"
     data = _read_config_json(folder)
     quantization = read_hf_quantization(folder)
@@ -56,7 +60,12 @@ def read_hf_config(folder: Path) -> ModelConfig:
         config = ModelConfig.from_hf(data)
     except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{path}: unsupported or incomplete config: {e}") from e
-    return dataclasses.replace(config, quantization="fp8" if quantization else None)
+    eos = config.eos_token_ids
+    extra = eos_token_ids(read_generation_config(folder))
+    eos += tuple(i for i in extra if i not in eos and i < config.vocab_size)
+    return dataclasses.replace(
+        config, quantization="fp8" if quantization else None, eos_token_ids=eos
+    )
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -66,7 +75,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor | HfWeight]]:
     """(HF name, CPU tensor) for every tensor, one file memory-mapped at a time; an FP8
     checkpoint's e4m3 weights come with their scales (`paired_fp8_weights`)."""
     quantization = read_hf_quantization(folder)
@@ -76,11 +85,12 @@ def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor | Quantize
 
 def paired_fp8_weights(
     tensors: Iterator[tuple[str, torch.Tensor]], quantization: CheckpointQuantization
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+) -> Iterator[tuple[str, torch.Tensor | HfWeight]]:
     """An FP8 checkpoint's tensors with each e4m3 `X.weight` and its `X.weight_scale` (or
-    `X.weight_scale_inv`) as one `X.weight` (fp8.checkpoint_weight: a QuantizedWeight, or fp32
-    for block-wise scales), whichever comes first held until the other does; the scales lantau
-    does not use dropped (hf_quant.UNUSED_SCALES); the rest as they are."""
+    `X.weight_scale_inv`) as one `X.weight` (fp8.checkpoint_weight: a QuantizedWeight, or a
+    BlockQuantizedWeight for block-wise scales), whichever comes first held until the other
+    does; the scales lantau does not use dropped (hf_quant.UNUSED_SCALES); the rest as they
+    are."""
     import torch
 
     from lantau.model.fp8 import checkpoint_weight

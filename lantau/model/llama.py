@@ -16,7 +16,13 @@ from torch import nn
 from lantau.config import KernelConfig, ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
 from lantau.model.forward_context import ForwardContext
-from lantau.model.fp8 import E4M3, Fp8Linear, QuantizedWeight, linear_layer
+from lantau.model.fp8 import (
+    E4M3,
+    BlockQuantizedWeight,
+    Fp8Linear,
+    QuantizedWeight,
+    linear_layer,
+)
 from lantau.model.ops import Ops, build_cos_sin_cache, make_ops
 from lantau.model.parallel import SINGLE, TensorParallel
 
@@ -266,7 +272,9 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ModelLoadError(f"weights missing from the checkpoint: {missing[:8]}")
 
-    def _shard(self, hf_name: str, tensor: torch.Tensor | QuantizedWeight):
+    def _shard(self, hf_name: str, tensor: torch.Tensor | QuantizedWeight | BlockQuantizedWeight):
+        if isinstance(tensor, BlockQuantizedWeight):  # dequantized on the model's device
+            tensor = tensor.dequantize(self.lm_head.weight.device)
         if isinstance(tensor, QuantizedWeight):  # its row scales sliced as its rows
             return QuantizedWeight(
                 self.tp.shard(hf_name, tensor.q, self.config),

@@ -57,6 +57,9 @@ class ServerConfig:
     enable_metrics: bool = True  # /metrics; off: nothing timed or counted (for A/B runs)
     metrics_buckets: tuple[str, ...] = ()  # --metrics-buckets NAME=B1,B2,... overrides
     log_requests: bool = False  # one JSON line per inference request on stderr
+    # what requests leave out: the model's generation_config.json ("auto"), OpenAI's defaults
+    # ("vllm"), or a folder's generation_config.json (lantau/model/generation_config.py)
+    generation_config: str = "auto"
 
     @property
     def limits(self) -> RequestLimits:
@@ -297,6 +300,7 @@ async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: f
     imports (cli.serve), else None."""
     from lantau.engine.args import build_engine_config
     from lantau.metrics.stats import EngineMetrics, parse_buckets
+    from lantau.model.generation_config import describe, model_sampling_defaults, source_folder
     from lantau.model.source import load_tokenizer
 
     if early is None:
@@ -314,6 +318,7 @@ async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: f
     # the config's stage ends where the core's starts (with `early`, before the web stack's
     # imports, which then run beside the core's start)
     startup = {"config": (core.started if core is not None else time.perf_counter()) - started}
+    defaults = model_sampling_defaults(source_folder(source), config.generation_config)
     engine = AsyncLLM(
         engine_config,
         source,
@@ -322,11 +327,14 @@ async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: f
         max_pending_tokens=config.max_pending_tokens,
         live_max_silence_s=config.live_max_silence_s,
         metrics=metrics,
+        sampling_defaults=defaults,
     )
     await engine.start(tokenizer=asyncio.to_thread(load_tokenizer, source), core=core)
     engine.startup_s = {"total": time.perf_counter() - started, **startup, **engine.startup_s}
     cache = engine.config.cache
     kv = f"KV cache {engine.num_blocks * cache.block_size:,} tokens, {cache.kv_cache_dtype}"
+    if defaults:  # as vLLM says it: the model's own defaults apply
+        kv += f"; the model's sampling defaults (generation_config.json): {describe(defaults)}"
     return engine, (
         config.served_model_name,
         f"ready in {describe_startup(engine.startup_s)}; {kv}",

@@ -344,6 +344,7 @@ class KServeModel:
         if values.get("bad_words"):
             raise invalid("bad_words: not supported")
         kwargs = {INPUT_SPECS[n].field: v for n, v in values.items() if INPUT_SPECS[n].field}
+        kwargs = {**self.engine.sampling_defaults, **kwargs}  # the model's, where absent
         kwargs["structured_outputs"] = guided_spec(values)
         try:
             params = SamplingParams(**kwargs)

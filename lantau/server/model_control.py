@@ -557,6 +557,7 @@ class ModelManager(ModelRouter):
         canary request; LoadFailed otherwise (its process stopped). The tokenizer loads
         while the core starts, unless the last version's has the same files."""
         from lantau.engine.args import build_engine_config
+        from lantau.model.generation_config import model_sampling_defaults
         from lantau.model.manifest import read_manifest
         from lantau.model.source import load_tokenizer
 
@@ -573,6 +574,7 @@ class ModelManager(ModelRouter):
                 build_engine_config, str(folder), **args
             )
             digest = read_manifest(folder).tokenizer_digest
+            defaults = model_sampling_defaults(folder, self.server.generation_config)
         except (ModelLoadError, ValueError, OSError) as e:
             raise LoadFailed(str(e)) from None
         metrics = None
@@ -593,6 +595,7 @@ class ModelManager(ModelRouter):
             max_pending_tokens=self.server.max_pending_tokens,
             live_max_silence_s=self.server.live_max_silence_s,
             metrics=metrics,
+            sampling_defaults=defaults,
         )
         try:
             if reused is not None:

@@ -162,23 +162,29 @@ def _first(*values: Any) -> Any:
     return next(v for v in values if v is not None)
 
 
-def sampling_params_from(body: ChatRequest | CompletionRequest) -> SamplingParams:
+def sampling_params_from(
+    body: ChatRequest | CompletionRequest, defaults: dict | None = None
+) -> SamplingParams:
     """OpenAI fields, logit_bias too (plus vLLM's extras: top_k, min_p, repetition_penalty,
-    ignore_eos, min_tokens, include_stop_str_in_output, skip_special_tokens);
-    InvalidRequestError names a field out of range."""
+    ignore_eos, min_tokens, include_stop_str_in_output, skip_special_tokens); what the body
+    leaves out is the model's default (`defaults`: its generation_config.json's), then
+    OpenAI's. InvalidRequestError names a field out of range."""
+    defaults = defaults or {}
     prompt_logprobs = body.prompt_logprobs  # vLLM's
     if isinstance(body, ChatRequest):
         # NOTE: max_completion_tokens replaces max_tokens; 0 is refused by the schema
-        max_tokens = _first(body.max_completion_tokens, body.max_tokens, 512)
+        max_tokens = _first(
+            body.max_completion_tokens, body.max_tokens, defaults.get("max_tokens"), 512
+        )
         logprobs = _first(body.top_logprobs, 0) if body.logprobs else None
     else:
-        max_tokens = _first(body.max_tokens, 16)
+        max_tokens = _first(body.max_tokens, defaults.get("max_tokens"), 16)
         logprobs = body.logprobs
         if body.echo and logprobs is not None:  # the echoed prompt's logprobs too
             prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     structured, field = structured_spec(body)
     try:
-        return _sampling_params(body, max_tokens, logprobs, prompt_logprobs, structured)
+        return _sampling_params(body, max_tokens, logprobs, prompt_logprobs, structured, defaults)
     except InvalidRequestError as e:
         if e.field == "structured_outputs" and field != e.field:  # as the request named it
             raise InvalidRequestError(field, str(e).split(": ", 1)[-1]) from None
@@ -216,17 +222,23 @@ def structured_spec(body: ChatRequest | CompletionRequest) -> tuple[dict | None,
 
 
 def _sampling_params(
-    body: ChatRequest | CompletionRequest, max_tokens: int, logprobs, prompt_logprobs, structured
+    body: ChatRequest | CompletionRequest,
+    max_tokens: int,
+    logprobs,
+    prompt_logprobs,
+    structured,
+    defaults: dict,
 ) -> SamplingParams:
+    d = defaults.get
     return SamplingParams(
         structured_outputs=structured,
         n=_first(body.n, 1),
         max_tokens=max_tokens,
-        temperature=_first(body.temperature, 1.0),
-        top_p=_first(body.top_p, 1.0),
-        top_k=_first(body.top_k, 0),
-        min_p=_first(body.min_p, 0.0),
-        repetition_penalty=_first(body.repetition_penalty, 1.0),
+        temperature=_first(body.temperature, d("temperature"), 1.0),
+        top_p=_first(body.top_p, d("top_p"), 1.0),
+        top_k=_first(body.top_k, d("top_k"), 0),
+        min_p=_first(body.min_p, d("min_p"), 0.0),
+        repetition_penalty=_first(body.repetition_penalty, d("repetition_penalty"), 1.0),
         presence_penalty=_first(body.presence_penalty, 0.0),
         frequency_penalty=_first(body.frequency_penalty, 0.0),
         seed=body.seed,
@@ -441,7 +453,7 @@ class OpenAIServer:
             )
             served = self.get_model(body.model)
             engine = served.engine  # the version serving now: its tokenizer (NOTE: not pinned)
-            params = sampling_params_from(body)
+            params = sampling_params_from(body, engine.sampling_defaults)
             echo = tools = None
             if chat:  # the template and tokenizer run off the event loop when it is long
                 conversation = self.chat_prompt(body, engine.tokenizer)
