@@ -18,6 +18,8 @@ SERVE_LONG_PREFILL_TOKENS = 256
 # lantau serve's batch limits: a burst of requests runs at once, its prompts in steps of up to
 # 16k tokens (RESULTS.md: W1-inf); steady traffic's steps stay far below either
 SERVE_MAX_NUM_SEQS = 512
+# `lantau chat`'s sampling where neither its flags nor the model's generation config set it
+CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 256}
 SERVE_MAX_NUM_BATCHED_TOKENS = 16384
 
 
@@ -122,11 +124,18 @@ def chat(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
-    )
+    # the flags, else the model's generation_config.json, else a chat's own defaults
+    given = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens}
+    params = SamplingParams(**{
+        **CHAT_SAMPLING, **llm.sampling_defaults,
+        **{k: v for k, v in given.items() if v is not None},
+    })  # fmt: skip
     conversation: list[dict] = []
-    print(f"lantau chat on {llm.config.model} ({llm.config.device}). Empty line or Ctrl-D quits.")
+    print(
+        f"lantau chat on {llm.config.model} ({llm.config.device}; temperature "
+        f"{params.temperature}, top_p {params.top_p}, max_tokens {params.max_tokens}). Empty "
+        "line or Ctrl-D quits."
+    )
     while True:
         try:
             line = input("> ").strip()
@@ -484,9 +493,10 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("chat", help="interactive chat in the terminal")
     _add_model_args(p)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--max-tokens", type=int, default=256)
+    help = "default: the model's generation_config.json, else {}"
+    p.add_argument("--temperature", type=float, help=help.format(CHAT_SAMPLING["temperature"]))
+    p.add_argument("--top-p", type=float, help=help.format(CHAT_SAMPLING["top_p"]))
+    p.add_argument("--max-tokens", type=int, help=help.format(CHAT_SAMPLING["max_tokens"]))
     p.set_defaults(func=chat)
 
     p = sub.add_parser("serve", help="OpenAI and KServe v2 (HTTP, gRPC) server")

@@ -175,3 +175,17 @@ def test_served_defaults_and_end_of_turn(chat_model, mode):
         proc.kill()
         out, _ = proc.communicate(timeout=30)
     assert ("sampling defaults (generation_config.json): max_tokens=3" in out) == (mode == "auto")
+
+
+def test_lantau_chat_sampling_from_its_flags_then_its_own_defaults():
+    """`lantau chat`: a flag wins over chat's own defaults (random:tiny has no generation
+    config to come between them: `LLM.sampling_defaults`, tested above); it answers and quits
+    on an empty line."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lantau.cli", "chat", "random:tiny", "--device", "cpu",
+         "--max-model-len", "256", "--temperature", "0.2", "--max-tokens", "4"],
+        input="hello\n\n", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "temperature 0.2, top_p 0.9, max_tokens 4)" in result.stdout
+    assert result.stdout.count("> ") == 2  # asked, answered, asked again, quit
