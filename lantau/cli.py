@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from lantau.config import KV_CACHE_DTYPES
 from lantau.request import SamplingParams
@@ -103,6 +104,16 @@ def _add_observability_args(p: argparse.ArgumentParser) -> None:
         help="one JSON line per inference request on stderr (logger lantau.requests)",
     )
     p.add_argument(
+        "--chat-template",
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) in place of the models' own",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="run a chat request's own `chat_template` (off: such a request is a 400)",
+    )
+    p.add_argument(
         "--generation-config",
         default="auto",
         metavar="auto|vllm|FOLDER",
@@ -160,6 +171,27 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's template, or the text itself when it reads as Jinja;
+    ValueError for neither, or for a template Jinja cannot parse (named with its line)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        template = path.read_text()
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    import jinja2.sandbox
+
+    try:
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: line {e.lineno}: {e.message}") from None
+    return template
+
+
 def serve(args: argparse.Namespace) -> int:
     import asyncio
     import time
@@ -181,7 +213,8 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         check_mode(args.generation_config)
-    except ModelLoadError as e:
+        chat_template = read_chat_template(args.chat_template)
+    except (ModelLoadError, ValueError) as e:
         print(f"lantau serve: {e}", file=sys.stderr)
         return 2
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
@@ -224,6 +257,8 @@ def serve(args: argparse.Namespace) -> int:
         metrics_buckets=tuple(args.metrics_buckets or ()),
         log_requests=args.log_requests,
         generation_config=args.generation_config,
+        chat_template=chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     try:
         import uvloop
@@ -258,8 +293,6 @@ def serve_engine_args(args: argparse.Namespace) -> dict:
 def _repository_options(args: argparse.Namespace):
     """RepositoryOptions for --model-repository (or a MODEL that is a repository folder),
     None for a fixed model, or an error message."""
-    from pathlib import Path
-
     from lantau.server.repository import is_repository
 
     path = args.model_repository
@@ -324,7 +357,6 @@ def _compile_kernels(out: str) -> int:
     """`build --compile-kernels`' second half: the built folder warmed up as `lantau serve
     FOLDER` would start it, its Triton cache kept in FOLDER/kernels/<key>/."""
     import time
-    from pathlib import Path
 
     from lantau.model.kernel_cache import compile_kernels
 

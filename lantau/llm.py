@@ -91,14 +91,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them (with
-        OpenAI-shaped `tools`, as HF templates take them)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        """Apply the chat template (`chat_template`, else the model's) to one conversation or
+        a list of them (with OpenAI-shaped `tools`, as HF templates take them)."""
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if self.tokenizer is None or not template:
             raise InvalidRequestError("messages", "this model has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": self.encode_chat(conv, add_generation_prompt, tools)}
+            {"prompt_token_ids": self.encode_chat(conv, add_generation_prompt, tools, template)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params)
@@ -108,8 +110,10 @@ class LLM:
         conversation: list[dict],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+            conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+        )  # fmt: skip
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -134,8 +134,10 @@ class AsyncLLM:
         live_max_silence_s: float = 30.0,
         metrics: EngineMetrics | None = None,
         sampling_defaults: dict | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self.config = config
+        self.chat_template = chat_template  # --chat-template: the tokenizer's own replaced
         # SamplingParams field -> the model's default, for what a request leaves out
         # (lantau/model/generation_config.py)
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -161,6 +163,8 @@ class AsyncLLM:
         self.startup_s: dict[str, float] = {}  # start-up stages, seconds (start() fills it)
 
     def set_tokenizer(self, tokenizer) -> None:
+        if tokenizer is not None and self.chat_template is not None:
+            tokenizer.chat_template = self.chat_template
         self.tokenizer = tokenizer
         fold = borrowed_vocab_size(self.source, self.config.model_config, tokenizer)
         self.processor = OutputProcessor(tokenizer, self.config.model_config.eos_token_ids, fold)
@@ -283,11 +287,14 @@ class AsyncLLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         extra: dict | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
-        """A conversation's prompt token ids through the chat template (off the event loop
-        when long), with the tools (OpenAI's, as HF templates take them) if any;
+        """A conversation's prompt token ids through the chat template (the request's own
+        `chat_template`, else the model's or the server's `--chat-template`; off the event
+        loop when long), with the tools (OpenAI's, as HF templates take them) if any;
         InvalidRequestError when it cannot fit, or there is no template."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if self.tokenizer is None or not template:
             raise InvalidRequestError("messages", "this model has no chat template")
         num_chars = sum(len(m["content"] or "") for m in conversation)
         if tools or any("tool_calls" in m for m in conversation):  # their JSON is rendered too
@@ -299,7 +306,8 @@ class AsyncLLM:
                 text = self.tokenizer.apply_chat_template(
                     conversation, tools=tools, tokenize=False,
                     add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, **(extra or {}),
+                    continue_final_message=continue_final_message, chat_template=template,
+                    **(extra or {}),
                 )  # fmt: skip
             except jinja2.TemplateError as e:  # the template's raise_exception (roles, order)
                 raise InvalidRequestError(

@@ -60,10 +60,16 @@ class ServerConfig:
     # what requests leave out: the model's generation_config.json ("auto"), OpenAI's defaults
     # ("vllm"), or a folder's generation_config.json (lantau/model/generation_config.py)
     generation_config: str = "auto"
+    chat_template: str | None = None  # --chat-template: replaces every model's own
+    trust_request_chat_template: bool = False  # a request's `chat_template` runs
 
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(max_n=self.max_n, max_logprobs=self.max_logprobs)
+        return RequestLimits(
+            max_n=self.max_n,
+            max_logprobs=self.max_logprobs,
+            trust_request_chat_template=self.trust_request_chat_template,
+        )
 
 
 @dataclass
@@ -328,6 +334,7 @@ async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: f
         live_max_silence_s=config.live_max_silence_s,
         metrics=metrics,
         sampling_defaults=defaults,
+        chat_template=config.chat_template,
     )
     await engine.start(tokenizer=asyncio.to_thread(load_tokenizer, source), core=core)
     engine.startup_s = {"total": time.perf_counter() - started, **startup, **engine.startup_s}

@@ -596,6 +596,7 @@ class ModelManager(ModelRouter):
             live_max_silence_s=self.server.live_max_silence_s,
             metrics=metrics,
             sampling_defaults=defaults,
+            chat_template=self.server.chat_template,
         )
         try:
             if reused is not None:

@@ -37,6 +37,7 @@ from lantau.server.schemas import (
     ChatRequest,
     CompletionRequest,
     RequestLimits,
+    TokenizeRequest,
     decode,
 )
 from lantau.server.tool_calls import ToolCall, ToolParser
@@ -85,8 +86,20 @@ def parse_request(
             )
     if body.prompt_logprobs is not None and body.stream:
         raise InvalidRequestError("prompt_logprobs", "not with stream")
+    if chat:
+        check_request_template(body, limits)
     refuse_unsupported(body)
     return body
+
+
+def check_request_template(body: ChatRequest | TokenizeRequest, limits: RequestLimits) -> None:
+    """A request's own chat template runs only where the server trusts them."""
+    if body.chat_template is not None and not limits.trust_request_chat_template:
+        raise InvalidRequestError(
+            "chat_template",
+            "this server does not take request templates (lantau serve "
+            "--trust-request-chat-template)",
+        )
 
 
 def refuse_unsupported(body: ChatRequest | CompletionRequest) -> None:
@@ -142,7 +155,10 @@ def template_options(body: ChatRequest) -> dict:
         raise InvalidRequestError(
             "chat_template_kwargs", f"{', '.join(taken)}: not a template variable"
         )
-    return {"add_generation_prompt": generation, "continue_final_message": cont, "extra": extra}
+    return {
+        "add_generation_prompt": generation, "continue_final_message": cont, "extra": extra,
+        "chat_template": body.chat_template,
+    }  # fmt: skip
 
 
 def _template_call(call, field: str) -> dict:
@@ -415,7 +431,9 @@ class OpenAIServer:
             if m.name is not None:
                 message["name"] = m.name
             conversation.append(message)
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "messages")
+        if body.chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template", "messages")
         return conversation
 
@@ -523,10 +541,13 @@ class OpenAIServer:
             if (body.prompt is None) == (body.messages is None):
                 raise InvalidRequestError("prompt", "give either prompt or messages")
             if body.messages is not None:
+                check_request_template(body, self.limits)
                 conversation = self.chat_prompt(body, engine.tokenizer)
                 tools = msgspec.to_builtins(body.tools) if body.tools else None
                 generation = _first(body.add_generation_prompt, True)
-                ids = await engine.encode_chat(conversation, tools, generation)
+                ids = await engine.encode_chat(
+                    conversation, tools, generation, chat_template=body.chat_template
+                )
             else:
                 special = _first(body.add_special_tokens, True)
                 ids = await engine.encode_text(body.prompt, special)

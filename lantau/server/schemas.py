@@ -40,6 +40,9 @@ class RequestLimits:
 
     max_n: int = 128
     max_logprobs: int = 20
+    # a request's own `chat_template` (vLLM's --trust-request-chat-template): off, a client's
+    # Jinja never runs here
+    trust_request_chat_template: bool = False
 
 
 # ---------------------------------------------------------------- OpenAI
@@ -161,6 +164,7 @@ class ChatRequest(OpenAIRequest):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None  # the last (assistant) message continued
     chat_template_kwargs: dict[str, Any] | None = None  # more of the template's variables
+    chat_template: str | None = None  # the request's own (--trust-request-chat-template)
 
 
 class TokenizeRequest(Struct):
@@ -173,6 +177,7 @@ class TokenizeRequest(Struct):
     tools: list[ToolSpec] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    chat_template: str | None = None  # the request's own (--trust-request-chat-template)
     return_token_strs: bool | None = None
 
 
