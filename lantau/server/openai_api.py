@@ -975,4 +975,17 @@ def make_openai_router(
     async def completions(request: Request) -> Response:
         return await server.handle(request, chat=False)
 
+    # NOTE: imported here, not at the top: responses_api builds on this module
+    from lantau.server.responses_api import ResponsesServer, not_stored
+
+    responses = ResponsesServer(server)
+
+    @router.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request)
+
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return not_stored(response_id)
+
     return router

@@ -186,6 +186,86 @@ class DetokenizeRequest(Struct):
     model: str | None = None
 
 
+# ---------------------------------------------------------------- OpenAI Responses
+
+
+class ResponseContent(Struct):
+    type: str  # input_text, or output_text / refusal in an assistant's earlier turn
+    text: str | None = None
+    refusal: str | None = None
+
+
+class ResponseInputItem(Struct):
+    """An input item: a message (role and content; `type` "message" or absent), an earlier
+    `function_call` of the model's, or a tool's `function_call_output`."""
+
+    type: str | None = None
+    role: str | None = None
+    content: str | list[ResponseContent] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[ResponseContent] | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseTool(Struct):
+    type: str  # only "function": OpenAI's hosted tools are not this server's
+    name: Annotated[str, Meta(min_length=1)] | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseTextFormat(Struct):
+    type: str  # text, json_object, or json_schema
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseText(Struct):
+    format: ResponseTextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(Struct):
+    """POST /v1/responses (lantau/server/responses_api.py): what it serves, and the fields it
+    refuses by name rather than ignore."""
+
+    input: str | Annotated[list[ResponseInputItem], Meta(min_length=1)]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponseText | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = None  # nothing is stored: the response says so
+    stream_options: dict[str, Any] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache is automatic
+    timeout: Seconds | None = None
+    # refused when set (responses_api.REFUSED)
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    prompt: Any = None
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+
+
 # ---------------------------------------------------------------- KServe v2 HTTP
 
 Scalar = bool | int | float | str  # KServe parameter values
@@ -224,6 +304,7 @@ COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 TOKENIZE_DECODER = msgspec.json.Decoder(TokenizeRequest)
 DETOKENIZE_DECODER = msgspec.json.Decoder(DetokenizeRequest)
 CHAT_DECODER = msgspec.json.Decoder(ChatRequest)
+RESPONSES_DECODER = msgspec.json.Decoder(ResponsesRequest)
 INFER_HEADER_DECODER = msgspec.json.Decoder(InferHeader)
 OBJECT_DECODER = msgspec.json.Decoder(dict[str, Any])
 

@@ -1,0 +1,227 @@
+"""OpenAI's Responses API through the official client: on a real `lantau serve`, a response is
+the chat completion of the same conversation (text, usage, length cut as `incomplete`),
+streamed as OpenAI's typed events whose deltas add up to it, with structured outputs; with
+tools (a scripted engine, the hermes parser), function calls come back as items and earlier
+calls and their outputs go to the template; what needs storage or hosted tools is refused
+by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from lantau.server.app import ServerConfig, build_app
+from tests.test_openai_server import SCHEMA, free_port, wait_ready
+from tests.test_tool_calls import ANSWERS, ScriptedChat, wait_until
+
+MODEL = "random:tiny"
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "lantau.cli", "serve", MODEL, "--device", "cpu",
+        "--port", str(port), "--grpc-port", "0", "--max-model-len", "512",
+        "--num-kv-blocks", "128",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+        yield base
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="x")
+
+
+def chat_text(client, messages: list[dict], **extra) -> tuple[str, object]:
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                           **extra)  # fmt: skip
+    return reply.choices[0].message.content, reply
+
+
+def test_response_is_the_chat_completion_of_its_conversation(client):
+    """A string input is one user message; instructions a system message before the input;
+    a list of items (developer as system, an assistant's earlier output_text) is the
+    conversation; greedy text and token counts equal the chat route's, and a length cut is
+    `incomplete` with reason max_output_tokens."""
+    r = client.responses.create(model=MODEL, input="Where is my parcel?", max_output_tokens=6,
+                                temperature=0)  # fmt: skip
+    text, chat = chat_text(client, [{"role": "user", "content": "Where is my parcel?"}],
+                           max_tokens=6)  # fmt: skip
+    assert r.object == "response" and r.output_text == text
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == 6 and r.usage.total_tokens == chat.usage.total_tokens
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "incomplete"
+
+    conversation = [
+        {"role": "developer", "content": "Answer in one word."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Hello."}]},
+        {"role": "user", "content": "Where is my parcel?"},
+    ]  # fmt: skip
+    r = client.responses.create(model=MODEL, instructions="Be kind.", input=conversation,
+                                max_output_tokens=5, temperature=0)  # fmt: skip
+    text, _ = chat_text(client, [
+        {"role": "system", "content": "Be kind."},
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Where is my parcel?"},
+    ], max_tokens=5)  # fmt: skip
+    assert r.output_text == text and r.instructions == "Be kind."
+
+
+def test_stream_events_add_up_to_the_response(client):
+    """OpenAI's event order, numbered; the deltas are the unstreamed text; the last event
+    carries the whole response."""
+    kwargs = dict(model=MODEL, input="Where is my parcel?", max_output_tokens=8, temperature=0)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", *["response.output_text.delta"] * deltas,
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete",
+    ]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert (
+        events[0].response.status == "in_progress" and events[-1].response.usage.output_tokens == 8
+    )
+
+
+def test_text_format_json_schema(client):
+    """text.format json_schema holds the answer to the schema: the chat route's answer under
+    the same response_format."""
+    fmt = {"type": "json_schema", "name": "reply", "schema": SCHEMA, "strict": True}
+    r = client.responses.create(model=MODEL, input="Is it raining?", max_output_tokens=40,
+                                temperature=0, text={"format": fmt})  # fmt: skip
+    value = json.loads(r.output_text)
+    assert value["answer"] in ("yes", "no") and 0 <= value["n"] <= 9
+    chat_format = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}
+    messages = [{"role": "user", "content": "Is it raining?"}]
+    text, _ = chat_text(client, messages, max_tokens=40, response_format=chat_format)
+    assert r.output_text == text and r.status == "completed" and r.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "tools"),  # no --tool-call-parser
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input[0].content[0].type"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"input": []}, "input"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ],
+)  # fmt: skip
+def test_unserved_fields_refused_by_name(client, extra, field):
+    body = {"model": MODEL, "input": "hi", **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.post("/responses", body=body, cast_to=object)
+    assert e.value.body["param"] == field, e.value.body
+
+
+def test_nothing_is_stored(server):
+    r = httpx.get(f"{server}/v1/responses/resp_123")
+    assert r.status_code == 404 and "stores no responses" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def tooled():
+    engine = ScriptedChat()
+    port = free_port()
+    config = ServerConfig(port=port, grpc_port=0, tool_call_parser="hermes")
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, config), host="127.0.0.1",
+                                           port=port, log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started), "uvicorn did not start"
+    yield engine, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+TOOLS = [
+    {"type": "function", "name": "get_weather", "description": "the weather in a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    {"type": "function", "name": "lookup_order", "description": "an order"},
+]  # fmt: skip
+
+
+def test_function_calls_as_items_and_back(tooled):
+    """Function tools reach the template; the answer's calls come back as function_call items
+    after the message, streamed as their own items; the next turn's function_call and
+    function_call_output items render as the assistant's call and the tool's answer."""
+    engine, client = tooled
+    r = client.responses.create(model="lantau", input="weather?", tools=TOOLS)
+    message, call = r.output
+    assert message.type == "message" and r.output_text == "Let me check.\n"
+    assert (
+        call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    )
+    assert json.loads(call.arguments) == {"city": "Paris", "unit": "C"}
+    assert "get_weather: the weather in a city lookup_order: an order" in engine.rendered[-1]
+    two = client.responses.create(model="lantau", input="two calls", tools=TOOLS)
+    assert [o.type for o in two.output] == ["function_call", "function_call"]
+    assert [o.name for o in two.output] == ["get_weather", "lookup_order"]
+
+    events = list(client.responses.create(model="lantau", input="weather?", tools=TOOLS,
+                                          stream=True))  # fmt: skip
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "Let me check.\n"  # the call's markup never streamed as text
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == ["message", "function_call"]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert json.loads(done.arguments) == {"city": "Paris", "unit": "C"}
+    assert events[-1].type == "response.completed" and len(events[-1].response.output) == 2
+
+    follow = client.responses.create(model="lantau", tools=TOOLS, input=[
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"},
+        {"role": "user", "content": "hello"},
+    ])  # fmt: skip
+    assert follow.output_text == ANSWERS["hello"]
+    assert "assistant call get_weather(city=Paris)" in engine.rendered[-1]
+    assert "tool 18 C, sunny" in engine.rendered[-1]
+
+
+def test_forced_unknown_function_named(tooled):
+    _, client = tooled
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="lantau", input="hello", tools=TOOLS,
+                                tool_choice={"type": "function", "name": "nope"})  # fmt: skip
+    assert e.value.body["param"] == "tool_choice.name"
