@@ -153,6 +153,15 @@ def test_unserved_fields_refused_by_name(client, extra, field):
     assert e.value.body["param"] == field, e.value.body
 
 
+def test_fields_set_to_nothing_are_accepted(client):
+    """What agent frameworks send unset (reasoning with null effort, an empty include, store)
+    is not a refusal."""
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=True,
+                                reasoning={"effort": None, "summary": None}, include=[],
+                                truncation="disabled", metadata={"ticket": "42"})  # fmt: skip
+    assert r.status == "incomplete" and r.metadata == {"ticket": "42"}
+
+
 def test_nothing_is_stored(server):
     r = httpx.get(f"{server}/v1/responses/resp_123")
     assert r.status_code == 404 and "stores no responses" in r.json()["error"]["message"]

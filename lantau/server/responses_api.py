@@ -83,6 +83,8 @@ FIELD_OF = {  # the longest first
 def refuse_unserved(body: ResponsesRequest) -> None:
     for name, why in REFUSED.items():
         value = getattr(body, name)
+        if isinstance(value, dict):  # {"effort": null}: nothing asked
+            value = {k: v for k, v in value.items() if v is not None}
         if value not in (None, False, [], {}):
             raise InvalidRequestError(name, why)
     if body.truncation not in (None, "disabled"):
