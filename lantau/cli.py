@@ -103,6 +103,16 @@ def _add_observability_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one JSON line per inference request on stderr (logger lantau.requests)",
     )
+    for flag, default, what in (
+        ("--allowed-origins", "[]", "origins whose browser pages may call the API (CORS), e.g. "
+         '\'["https://support.example.com"]\' (default none: no CORS headers)'),
+        ("--allowed-methods", '["*"]', "CORS: the methods allowed"),
+        ("--allowed-headers", '["*"]', "CORS: the request headers allowed"),
+    ):  # fmt: skip
+        p.add_argument(flag, default=default, metavar="JSON_LIST", help=what)
+    p.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: cookies and auth headers too"
+    )
     p.add_argument(
         "--chat-template",
         metavar="FILE|TEMPLATE",
@@ -171,6 +181,27 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cors_options(args: argparse.Namespace) -> dict:
+    """The CORS flags (JSON lists of strings, as vLLM takes them) as ServerConfig fields;
+    ValueError naming a bad one."""
+    import json
+
+    options = {}
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        flag = "--" + name.replace("_", "-")
+        try:
+            value = json.loads(getattr(args, name))
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            given = getattr(args, name)
+            raise ValueError(f"{flag}: expected a JSON list of strings, got {given!r}")
+        options[name] = tuple(value)
+    if args.allow_credentials and "*" in options["allowed_origins"]:
+        raise ValueError("--allow-credentials: name the origins (not *), which may send them")
+    return {**options, "allow_credentials": args.allow_credentials}
+
+
 def read_chat_template(value: str | None) -> str | None:
     """`--chat-template`: a file's template, or the text itself when it reads as Jinja;
     ValueError for neither, or for a template Jinja cannot parse (named with its line)."""
@@ -214,6 +245,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         check_mode(args.generation_config)
         chat_template = read_chat_template(args.chat_template)
+        cors = cors_options(args)
     except (ModelLoadError, ValueError) as e:
         print(f"lantau serve: {e}", file=sys.stderr)
         return 2
@@ -259,6 +291,7 @@ def serve(args: argparse.Namespace) -> int:
         generation_config=args.generation_config,
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
+        **cors,
     )
     try:
         import uvloop

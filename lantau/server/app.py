@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from lantau.engine.async_llm import AsyncLLM
 from lantau.metrics.gc_pauses import PROCESS_GC
@@ -61,6 +62,12 @@ class ServerConfig:
     # ("vllm"), or a folder's generation_config.json (lantau/model/generation_config.py)
     generation_config: str = "auto"
     chat_template: str | None = None  # --chat-template: replaces every model's own
+    # CORS (vLLM's flags): the origins whose browser pages may call the API; none: no CORS
+    # headers at all (vLLM allows every origin by default)
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     trust_request_chat_template: bool = False  # a request's `chat_template` runs
 
     @property
@@ -145,6 +152,14 @@ def build_app(
     metrics = control.metrics if control is not None else getattr(engine, "metrics", None)
     # outermost: refusals by the two above get an id, a count and a log line too
     app.add_middleware(RequestIdMiddleware, metrics=metrics, open_paths=OPEN_PATHS)
+    if config.allowed_origins:  # around all: a preflight carries no API key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+            allow_credentials=config.allow_credentials,
+        )
     app.state.figures = None  # the engines' figures, for /metrics and Triton's statistics
     if metrics is not None:
         app.state.figures = _add_metrics_route(app, metrics, default_engine, control)
