@@ -113,6 +113,13 @@ def _add_observability_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-credentials", action="store_true", help="CORS: cookies and auth headers too"
     )
+    p.add_argument("--ssl-keyfile", metavar="PEM", help="TLS on HTTP and gRPC: the server's key")
+    p.add_argument("--ssl-certfile", metavar="PEM", help="TLS: the server's certificate (chain)")
+    p.add_argument(
+        "--ssl-ca-certs",
+        metavar="PEM",
+        help="mutual TLS: clients must present a certificate this CA signed",
+    )
     p.add_argument(
         "--chat-template",
         metavar="FILE|TEMPLATE",
@@ -181,6 +188,29 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_tls(args: argparse.Namespace) -> None:
+    """The TLS files load (key and certificate together, a CA only beside them); ValueError
+    saying which does not, before anything starts."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None:
+            raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+        return
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--ssl-certfile / --ssl-keyfile: {e}") from None
+    if args.ssl_ca_certs is not None:
+        try:
+            context.load_verify_locations(args.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--ssl-ca-certs: {e}") from None
+
+
 def cors_options(args: argparse.Namespace) -> dict:
     """The CORS flags (JSON lists of strings, as vLLM takes them) as ServerConfig fields;
     ValueError naming a bad one."""
@@ -246,6 +276,7 @@ def serve(args: argparse.Namespace) -> int:
         check_mode(args.generation_config)
         chat_template = read_chat_template(args.chat_template)
         cors = cors_options(args)
+        check_tls(args)
     except (ModelLoadError, ValueError) as e:
         print(f"lantau serve: {e}", file=sys.stderr)
         return 2
@@ -292,6 +323,9 @@ def serve(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         **cors,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
     )
     try:
         import uvloop
