@@ -32,7 +32,7 @@ from lantau import LLM, InvalidRequestError, ModelLoadError, SamplingParams
 from lantau.server import schemas
 from lantau.server.kserve_grpc import CONTENTS_FIELDS
 from lantau.server.kserve_http import INPUT_SPECS
-from tests.test_openai_server import free_port, wait_ready
+from tests.servers import free_port, wait_ready
 
 
 @pytest.fixture(scope="module")

@@ -437,7 +437,7 @@ def test_against_lantau_serve(tmp_path):
     """End to end: the CLI against a real `lantau serve` on CPU, a handful of requests."""
     import subprocess
 
-    from tests.test_openai_server import free_port, wait_ready
+    from tests.servers import free_port, wait_ready
 
     port = free_port()
     cmd = [

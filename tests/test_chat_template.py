@@ -16,7 +16,7 @@ from lantau.errors import InvalidRequestError
 from lantau.model.source import load_tokenizer, resolve_model_source
 from lantau.server.openai_api import parse_request
 from lantau.server.schemas import RequestLimits
-from tests.test_openai_server import free_port, wait_ready
+from tests.servers import lantau_serve
 
 MODEL = "random:tiny"  # the default model's tokenizer, with its own chat template
 SERVER_TEMPLATE = (
@@ -43,21 +43,9 @@ def hf_ids(template: str | None, generation: bool = True) -> list[int]:
 def served(tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(SERVER_TEMPLATE)
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "lantau.cli", "serve", MODEL, "--device", "cpu",
-        "--port", str(port), "--grpc-port", "0", "--max-model-len", "512",
-        "--num-kv-blocks", "128", "--chat-template", str(template),
-        "--trust-request-chat-template",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base, proc)
+    flags = ("--chat-template", str(template), "--trust-request-chat-template")
+    with lantau_serve(MODEL, *flags) as (base, _):
         yield base
-    finally:
-        proc.kill()
-        proc.communicate(timeout=30)
 
 
 def tokenize(base: str, **extra) -> httpx.Response:

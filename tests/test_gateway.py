@@ -31,7 +31,7 @@ from lantau.gateway.policy import (
 )
 from lantau.gateway.proxy import GATEWAY, GatewayConfig, build_app
 from tests.fake_openai_server import AppThread, FakeOpenAIServer, Script
-from tests.test_openai_server import free_port, wait_ready
+from tests.servers import free_port, wait_ready
 
 # --- the policies ---------------------------------------------------------------------------
 

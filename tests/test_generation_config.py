@@ -27,7 +27,7 @@ from lantau.model.source import read_model_config, resolve_model_source
 from lantau.server.kserve_http import KServeModel, generate_inputs
 from lantau.server.openai_api import parse_request, sampling_params_from
 from lantau.server.schemas import RequestLimits
-from tests.test_openai_server import free_port, wait_ready
+from tests.servers import lantau_serve
 
 PROMPT = [5, 17, 300, 41, 9]
 
@@ -141,26 +141,13 @@ def test_modes(chat_model, tmp_path):
     assert result.returncode == 2 and "--generation-config: 'hot'" in result.stderr
 
 
-def serve(folder, *extra: str):
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "lantau.cli", "serve", str(folder), "--device", "cpu",
-        "--port", str(port), "--grpc-port", "0", "--num-kv-blocks", "128", *extra,
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    wait_ready(base, proc)
-    return proc, base
-
-
 @pytest.mark.parametrize("mode", ["auto", "vllm"])
 def test_served_defaults_and_end_of_turn(chat_model, mode):
     """A real `lantau serve` of the folder: a completion that leaves max_tokens out gets the
     model's 3 (auto) or OpenAI's 16 (vllm); the end-of-turn token ends a greedy answer with
     finish_reason "stop" either way; the ready line names the model's defaults."""
     folder, until_end, _ = chat_model
-    proc, base = serve(folder, "--generation-config", mode)
-    try:
+    with lantau_serve(str(folder), "--generation-config", mode) as (base, proc):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x")
         expected = 3 if mode == "auto" else 16
         # a prompt whose greedy continuation holds no end token within 16
@@ -171,10 +158,8 @@ def test_served_defaults_and_end_of_turn(chat_model, mode):
                                       max_tokens=12)  # fmt: skip
         assert r.usage.completion_tokens == len(until_end)
         assert r.choices[0].finish_reason == "stop"
-    finally:
-        proc.kill()
-        out, _ = proc.communicate(timeout=30)
-    assert ("sampling defaults (generation_config.json): max_tokens=3" in out) == (mode == "auto")
+    ready = "sampling defaults (generation_config.json): max_tokens=3"
+    assert (ready in proc.output) == (mode == "auto")
 
 
 def test_lantau_chat_sampling_from_its_flags_then_its_own_defaults():

@@ -21,8 +21,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from tests.servers import free_port, wait_ready
 from tests.stall_watch import StallWatch
-from tests.test_openai_server import free_port, wait_ready
 
 MODEL = "random:tiny"  # SmolLM2's tokenizer, a tiny random model
 

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from tests.conftest import hf_greedy
-from tests.test_openai_server import free_port, wait_ready
+from tests.servers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 from lantau.model.build import build_engine
 from lantau.model.manifest import MANIFEST_NAME
-from tests.test_openai_server import free_port, wait_ready
+from tests.servers import free_port, wait_ready
 
 CONFIG = """
 name: "tiny"

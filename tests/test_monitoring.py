@@ -26,8 +26,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.servers import free_port
 from tests.test_hardening import Server
-from tests.test_openai_server import free_port
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 RULES = DEPLOY / "prometheus" / "lantau-rules.yml"

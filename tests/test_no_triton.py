@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from tests.test_openai_server import free_port, wait_ready
+from tests.servers import free_port, wait_ready
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 
 import httpx
 import openai
@@ -21,55 +16,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lantau import LLM, SamplingParams
+from tests.servers import lantau_serve
 from tests.strategies import json_values
 
 MODEL = "random:tiny"
 API_KEY = "test-key-123"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(
-    base: str, proc: subprocess.Popen, timeout: float = 120.0, log: Callable[[], str] | None = None
-) -> None:
-    """Until /health answers 200; `log`: the server's output where it is not proc.stdout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            output = log() if log else proc.stdout.read()
-            raise RuntimeError(f"server exited with {proc.returncode}: {output}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError("server did not become ready")
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "lantau.cli", "serve", MODEL, "--device", "cpu",
-        "--port", str(port), "--grpc-port", "0", "--max-model-len", "512",
-        "--num-kv-blocks", "128", "--api-key", API_KEY, "--api-key", "second-key",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base, proc)
+    flags = ("--api-key", API_KEY, "--api-key", "second-key")
+    with lantau_serve(MODEL, *flags) as (base, _):
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

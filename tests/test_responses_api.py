@@ -8,41 +8,24 @@ by name."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import threading
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from lantau.server.app import ServerConfig, build_app
-from tests.test_openai_server import SCHEMA, free_port, wait_ready
-from tests.test_tool_calls import ANSWERS, ScriptedChat, wait_until
+from tests.servers import lantau_serve
+from tests.test_openai_server import SCHEMA
+
+# the scripted engine behind the hermes parser, on uvicorn (a fixture)
+from tests.test_tool_calls import ANSWERS, served  # noqa: F401
 
 MODEL = "random:tiny"
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "lantau.cli", "serve", MODEL, "--device", "cpu",
-        "--port", str(port), "--grpc-port", "0", "--max-model-len", "512",
-        "--num-kv-blocks", "128",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base, proc)
+    with lantau_serve(MODEL) as (base, _):
         yield base
-    finally:
-        proc.kill()
-        proc.communicate(timeout=30)
 
 
 @pytest.fixture()
@@ -167,21 +150,6 @@ def test_nothing_is_stored(server):
     assert r.status_code == 404 and "stores no responses" in r.json()["error"]["message"]
 
 
-@pytest.fixture(scope="module")
-def tooled():
-    engine = ScriptedChat()
-    port = free_port()
-    config = ServerConfig(port=port, grpc_port=0, tool_call_parser="hermes")
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, config), host="127.0.0.1",
-                                           port=port, log_level="warning"))  # fmt: skip
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    assert wait_until(lambda: server.started), "uvicorn did not start"
-    yield engine, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
-    server.should_exit = True
-    thread.join(timeout=5)
-
-
 TOOLS = [
     {"type": "function", "name": "get_weather", "description": "the weather in a city",
      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
@@ -189,11 +157,11 @@ TOOLS = [
 ]  # fmt: skip
 
 
-def test_function_calls_as_items_and_back(tooled):
+def test_function_calls_as_items_and_back(served):  # noqa: F811 - pytest fixture
     """Function tools reach the template; the answer's calls come back as function_call items
     after the message, streamed as their own items; the next turn's function_call and
     function_call_output items render as the assistant's call and the tool's answer."""
-    engine, client = tooled
+    engine, client = served
     r = client.responses.create(model="lantau", input="weather?", tools=TOOLS)
     message, call = r.output
     assert message.type == "message" and r.output_text == "Let me check.\n"
@@ -228,8 +196,8 @@ def test_function_calls_as_items_and_back(tooled):
     assert "tool 18 C, sunny" in engine.rendered[-1]
 
 
-def test_forced_unknown_function_named(tooled):
-    _, client = tooled
+def test_forced_unknown_function_named(served):  # noqa: F811 - pytest fixture
+    _, client = served
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="lantau", input="hello", tools=TOOLS,
                                 tool_choice={"type": "function", "name": "nope"})  # fmt: skip

@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import trustme
 
-from tests.test_openai_server import free_port
+from tests.servers import free_port
 
 MODEL = "random:tiny"
 

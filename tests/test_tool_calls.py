@@ -9,17 +9,15 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 
 import openai
 import pytest
-import uvicorn
 
 from lantau.bench.echo_engine import EchoEngine
 from lantau.outputs import CompletionOutput, RequestOutput
 from lantau.server.app import ServerConfig, build_app
 from lantau.server.tool_calls import tool_parser
-from tests.test_echo_engine import free_port, wait_until
+from tests.servers import app_server, lantau_serve
 
 NAMES = {"get_weather", "lookup_order"}
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
@@ -82,8 +80,6 @@ def test_forced_calls_follow_the_parsers_format_on_a_real_server():
     the tool's parameters, read back as tool_calls."""
     import httpx
 
-    from tests.test_openai_server import free_port, wait_ready
-
     tools = [
         {"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
@@ -94,16 +90,9 @@ def test_forced_calls_follow_the_parsers_format_on_a_real_server():
             "required": ["id"], "additionalProperties": False}}},
     ]  # fmt: skip
     for parser in ("hermes", "llama3_json"):
-        port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lantau.cli", "serve", "random:tiny", "--device", "cpu",
-             "--port", str(port), "--grpc-port", "0", "--max-model-len", "512",
-             "--num-kv-blocks", "64", "--enable-auto-tool-choice", "--tool-call-parser", parser],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        try:
-            wait_ready(f"http://127.0.0.1:{port}", proc)
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        flags = ("--enable-auto-tool-choice", "--tool-call-parser", parser)
+        with lantau_serve("random:tiny", *flags, num_kv_blocks=64) as (base, _):
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x")
             messages = [{"role": "user", "content": "Where is my order?"}]
             for choice, names in (
                 ("required", {"get_weather", "lookup_order"}),
@@ -122,11 +111,7 @@ def test_forced_calls_follow_the_parsers_format_on_a_real_server():
                         assert 0 <= arguments["id"] <= 99
                     else:
                         assert arguments["city"] in ("Paris", "Rome")
-            status = httpx.get(f"http://127.0.0.1:{port}/status").json()
-            assert status["num_running"] == 0
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            assert httpx.get(f"{base}/status").json()["num_running"] == 0
 
 
 def test_serve_takes_the_two_flags_together():
@@ -200,16 +185,9 @@ class ScriptedChat(EchoEngine):
 @pytest.fixture(scope="module")
 def served():
     engine = ScriptedChat()
-    port = free_port()
-    config = ServerConfig(port=port, grpc_port=0, tool_call_parser="hermes")
-    app = build_app(engine, config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    assert wait_until(lambda: server.started), "uvicorn did not start"
-    yield engine, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
-    server.should_exit = True
-    thread.join(timeout=5)
+    config = ServerConfig(grpc_port=0, tool_call_parser="hermes")
+    with app_server(build_app(engine, config)) as base:
+        yield engine, openai.OpenAI(base_url=f"{base}/v1", api_key="x")
 
 
 TOOLS = [

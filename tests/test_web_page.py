@@ -20,7 +20,8 @@ import pytest
 import websockets
 
 from lantau import LLM, SamplingParams
-from tests.test_openai_server import API_KEY, MODEL, free_port, server  # noqa: F401 - fixture
+from tests.servers import free_port
+from tests.test_openai_server import API_KEY, MODEL, server  # noqa: F401 - fixture
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 PROMPT = "Hi"

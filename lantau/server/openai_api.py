@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -379,6 +379,21 @@ class OpenAIServer:
             )
         return msgspec.to_builtins(body.tools)
 
+    def chat_inputs(
+        self, body: ChatRequest, engine: AsyncLLM, params: SamplingParams
+    ) -> tuple[list[dict], list[dict] | None, SamplingParams]:
+        """A chat request's conversation and tools for the template, and its params with the
+        grammar of a call its tool_choice forces."""
+        conversation = self.chat_prompt(body, engine.tokenizer)
+        tools = self.tools_of(body)
+        if (forced := self.forced_call(body, tools)) is not None:
+            if params.structured_outputs is not None:
+                raise InvalidRequestError(
+                    "tool_choice", "a forced call cannot go with a response format"
+                )
+            params = dataclasses.replace(params, structured_outputs=forced)
+        return conversation, tools, params
+
     def forced_call(self, body: ChatRequest, tools: list[dict] | None) -> dict | None:
         """The grammar of the call `tool_choice` forces ("required": any tool; a named
         function: that one), in the parser's format; None: the model chooses."""
@@ -474,14 +489,7 @@ class OpenAIServer:
             params = sampling_params_from(body, engine.sampling_defaults)
             echo = tools = None
             if chat:  # the template and tokenizer run off the event loop when it is long
-                conversation = self.chat_prompt(body, engine.tokenizer)
-                tools = self.tools_of(body)
-                if (forced := self.forced_call(body, tools)) is not None:
-                    if params.structured_outputs is not None:
-                        raise InvalidRequestError(
-                            "tool_choice", "a forced call cannot go with a response format"
-                        )
-                    params = dataclasses.replace(params, structured_outputs=forced)
+                conversation, tools, params = self.chat_inputs(body, engine, params)
                 ids = await engine.encode_chat(conversation, tools, **template_options(body))
                 prompts = [{"prompt_token_ids": ids}]
             else:
@@ -513,24 +521,14 @@ class OpenAIServer:
         if tools:
             reply.tool_parser = self.tool_parser
             reply.tool_names = {t["function"]["name"] for t in tools}
-        try:  # the first output: admission, validation and engine errors surface before a stream
-            async with asyncio.timeout_at(deadline):
-                first = await anext(results)
-        except BaseException as e:
-            await results.aclose()
-            return _error_for(e)
-        results = _chain(first, results)
-        reply.version = first.model_version
-        if stream:
-            chunks = self._stream(reply, results, include_usage, deadline, continuous)
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        try:
-            final = await _collect_unless_disconnected(results, request, deadline)
-        except BaseException as e:
-            return _error_for(e)
-        if final is None:  # the client left; its request is aborted already
-            return Response(status_code=499)
-        return json_response(self._full_body(reply, final))
+
+        def chunks(results: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+            return self._stream(reply, results, include_usage, deadline, continuous)
+
+        return await respond(
+            results, reply, request, deadline, chunks if stream else None,
+            lambda final: self._full_body(reply, final),
+        )  # fmt: skip
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a text's or a conversation's token ids, their count and the
@@ -889,6 +887,37 @@ def _error_for(e: BaseException) -> Response:
     if isinstance(e, asyncio.CancelledError):
         raise e
     return error_response(500, f"{type(e).__name__}: {e}")
+
+
+async def respond(
+    results: AsyncIterator[RequestOutput],
+    reply: Reply,
+    request: Request,
+    deadline: float | None,
+    stream: Callable[[AsyncIterator[RequestOutput]], AsyncIterator[bytes]] | None,
+    whole: Callable[[RequestOutput], dict],
+) -> Response:
+    """A request's answer: its first output awaited here (admission, validation and engine
+    errors surface before a stream starts, as statuses), then the SSE `stream` of the outputs,
+    or the `whole` body of the final one (499 when the client left first: the request is
+    aborted)."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            first = await anext(results)
+    except BaseException as e:
+        await results.aclose()
+        return _error_for(e)
+    results = _chain(first, results)
+    reply.version = first.model_version
+    if stream is not None:
+        return StreamingResponse(stream(results), media_type="text/event-stream")
+    try:
+        final = await _collect_unless_disconnected(results, request, deadline)
+    except BaseException as e:
+        return _error_for(e)
+    if final is None:  # the client left; its request is aborted already
+        return Response(status_code=499)
+    return json_response(whole(final))
 
 
 async def _collect_unless_disconnected(

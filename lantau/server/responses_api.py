@@ -19,24 +19,21 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from lantau.errors import InvalidRequestError
 from lantau.outputs import RequestOutput
-from lantau.request import SamplingParams
 from lantau.server.observability import engine_request_id
 from lantau.server.openai_api import (
     APIError,
     Reply,
-    _chain,
-    _collect_unless_disconnected,
     _deadline,
     _error_for,
     _first,
     _held_back,
     error_response,
-    json_response,
     read_body,
+    respond,
     sampling_params_from,
 )
 from lantau.server.schemas import (
@@ -218,14 +215,7 @@ class ResponsesServer:
             try:
                 chat = chat_request(body)
                 params = sampling_params_from(chat, engine.sampling_defaults)
-                conversation = server.chat_prompt(chat, engine.tokenizer)
-                tools = server.tools_of(chat)
-                if (forced := server.forced_call(chat, tools)) is not None:
-                    if params.structured_outputs is not None:
-                        raise InvalidRequestError(
-                            "tool_choice", "a forced call cannot go with a text format"
-                        )
-                    params = _with_grammar(params, forced)
+                conversation, tools, params = server.chat_inputs(chat, engine, params)
             except InvalidRequestError as e:
                 raise _renamed(e) from None
             ids = await engine.encode_chat(conversation, tools)
@@ -240,30 +230,13 @@ class ResponsesServer:
         if tools:
             reply.tool_parser = server.tool_parser
             reply.tool_names = {t["function"]["name"] for t in tools}
-        try:  # admission, validation and engine errors surface before a stream starts
-            async with asyncio.timeout_at(deadline):
-                first = await anext(results)
-        except BaseException as e:
-            await results.aclose()
-            return _error_for(e)
-        results = _chain(first, results)
         answer = Answer(reply, body, int(time.time()))
-        if _first(body.stream, False):
-            events = answer.stream(results, deadline)
-            return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            final = await _collect_unless_disconnected(results, request, deadline)
-        except BaseException as e:
-            return _error_for(e)
-        if final is None:  # the client left; its request is aborted already
-            return Response(status_code=499)
-        return json_response(answer.response(final))
 
+        def events(results: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+            return answer.stream(results, deadline)
 
-def _with_grammar(params: SamplingParams, grammar: dict) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, structured_outputs=grammar)
+        streamed = events if _first(body.stream, False) else None
+        return await respond(results, reply, request, deadline, streamed, answer.response)
 
 
 class Answer:
