@@ -202,3 +202,61 @@ def test_forced_unknown_function_named(served):  # noqa: F811 - pytest fixture
         client.responses.create(model="lantau", input="hello", tools=TOOLS,
                                 tool_choice={"type": "function", "name": "nope"})  # fmt: skip
     assert e.value.body["param"] == "tool_choice.name"
+
+
+def test_fuzz_any_body_is_an_answer_or_a_named_4xx(server):
+    """Any body, plausible or not (items, tools, formats, tool choices of every shape): a
+    response or a 4xx with a message, never a 5xx; the server answers after."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests.strategies import json_values
+
+    anything = json_values()
+    text = st.sampled_from(["input_text", "output_text", "refusal", "input_image", "x"])
+    part = st.fixed_dictionaries({"type": text}, optional={"text": anything, "refusal": anything})
+    item = st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "x"])
+        | anything,
+        "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]) | anything,
+        "content": st.text(max_size=8) | st.lists(part, max_size=2) | anything,
+        "call_id": st.text(max_size=4) | anything, "name": st.text(max_size=4) | anything,
+        "arguments": st.text(max_size=8) | anything, "output": st.text(max_size=8) | anything,
+    })  # fmt: skip
+    tool = st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]) | anything},
+                                 optional={"name": anything, "parameters": anything})  # fmt: skip
+    fields = st.fixed_dictionaries(
+        {
+            "max_output_tokens": st.integers(1, 2) | anything,
+            "input": st.text(max_size=8) | st.lists(item, min_size=1, max_size=3) | anything,
+        },
+        optional={
+            "instructions": anything, "temperature": anything, "top_p": anything,
+            "tools": st.lists(tool, max_size=2) | anything,
+            "tool_choice": st.sampled_from(["auto", "none", "required"])
+            | st.fixed_dictionaries({"type": anything, "name": anything}) | anything,
+            "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])},
+                optional={"schema": anything, "name": anything})}) | anything,
+            "reasoning": anything, "include": anything, "store": anything, "metadata": anything,
+            "previous_response_id": anything, "truncation": anything, "stream": st.just(False),
+        },
+    )  # fmt: skip
+    # NOTE: json, not orjson: integers past 64 bits and NaN too
+    bodies = st.one_of(fields.map(lambda b: json.dumps(b).encode()), st.binary(max_size=32))
+    client = httpx.Client(timeout=30)
+    answered: list[int] = []
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=bodies)
+    def fuzz(body: bytes) -> None:
+        r = client.post(f"{server}/v1/responses", content=body)
+        assert r.status_code == 200 or 400 <= r.status_code < 500, (body, r.status_code, r.text)
+        if r.status_code != 200:
+            assert "message" in r.json()["error"]
+        answered.append(r.status_code)
+
+    fuzz()
+    assert 200 in answered and len(set(answered)) > 1
+    ok = client.post(f"{server}/v1/responses", json={"input": "still here", "max_output_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 2
