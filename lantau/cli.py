@@ -24,6 +24,16 @@ CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 256}
 SERVE_MAX_NUM_BATCHED_TOKENS = 16384
 
 
+def _add_tls_args(p: argparse.ArgumentParser, where: str) -> None:
+    p.add_argument("--ssl-keyfile", metavar="PEM", help=f"TLS on {where}: the key")
+    p.add_argument("--ssl-certfile", metavar="PEM", help="TLS: the certificate (chain)")
+    p.add_argument(
+        "--ssl-ca-certs",
+        metavar="PEM",
+        help="mutual TLS: clients must present a certificate this CA signed",
+    )
+
+
 def _add_scheduling_args(p: argparse.ArgumentParser, long_prefill_tokens: int = 0) -> None:
     p.add_argument(
         "--scheduling-policy",
@@ -113,13 +123,7 @@ def _add_observability_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-credentials", action="store_true", help="CORS: cookies and auth headers too"
     )
-    p.add_argument("--ssl-keyfile", metavar="PEM", help="TLS on HTTP and gRPC: the server's key")
-    p.add_argument("--ssl-certfile", metavar="PEM", help="TLS: the server's certificate (chain)")
-    p.add_argument(
-        "--ssl-ca-certs",
-        metavar="PEM",
-        help="mutual TLS: clients must present a certificate this CA signed",
-    )
+    _add_tls_args(p, "both listeners (HTTP and gRPC)")
     p.add_argument(
         "--chat-template",
         metavar="FILE|TEMPLATE",
@@ -188,29 +192,6 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_tls(args: argparse.Namespace) -> None:
-    """The TLS files load (key and certificate together, a CA only beside them); ValueError
-    saying which does not, before anything starts."""
-    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
-        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
-    if args.ssl_certfile is None:
-        if args.ssl_ca_certs is not None:
-            raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
-        return
-    import ssl
-
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
-    except (OSError, ssl.SSLError) as e:
-        raise ValueError(f"--ssl-certfile / --ssl-keyfile: {e}") from None
-    if args.ssl_ca_certs is not None:
-        try:
-            context.load_verify_locations(args.ssl_ca_certs)
-        except (OSError, ssl.SSLError) as e:
-            raise ValueError(f"--ssl-ca-certs: {e}") from None
-
-
 def cors_options(args: argparse.Namespace) -> dict:
     """The CORS flags (JSON lists of strings, as vLLM takes them) as ServerConfig fields;
     ValueError naming a bad one."""
@@ -271,12 +252,13 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     from lantau.errors import ModelLoadError
     from lantau.model.generation_config import check_mode
+    from lantau.tls import ServerTls
 
     try:
         check_mode(args.generation_config)
         chat_template = read_chat_template(args.chat_template)
         cors = cors_options(args)
-        check_tls(args)
+        tls = ServerTls.of(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
     except (ModelLoadError, ValueError) as e:
         print(f"lantau serve: {e}", file=sys.stderr)
         return 2
@@ -323,9 +305,7 @@ def serve(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         **cors,
-        ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile,
-        ssl_ca_certs=args.ssl_ca_certs,
+        tls=tls,
     )
     try:
         import uvloop
@@ -475,6 +455,12 @@ def rollback(args: argparse.Namespace) -> int:
 def route(args: argparse.Namespace) -> int:
     """The gateway: lantau/gateway/proxy.py in front of the --backend replicas."""
     from lantau.gateway.proxy import GatewayConfig, run
+    from lantau.tls import ClientTls, ServerTls
+
+    def backend_client(args: argparse.Namespace) -> ClientTls:
+        if (args.backend_certfile is None) != (args.backend_keyfile is None):
+            raise ValueError("--backend-certfile and --backend-keyfile go together")
+        return ClientTls(args.backend_ca_certs, args.backend_certfile, args.backend_keyfile)
 
     try:
         config = GatewayConfig(
@@ -485,6 +471,8 @@ def route(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes, session_header=args.session_header,
             admin_key=args.admin_key, backend_api_key=args.backend_api_key,
             backend_dns=tuple(args.backend_dns), grpc_backend_dns=tuple(args.grpc_backend_dns),
+            tls=ServerTls.of(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs),
+            backend_tls=args.backend_tls, backend_client=backend_client(args),
         )  # fmt: skip
     except ValueError as e:
         print(f"lantau route: {e}", file=sys.stderr)
@@ -719,6 +707,21 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-api-key", default=None,
                    help="the replicas' API key, for the gateway's own reads of their /v1/models "
                         "(clients' requests carry their own)")  # fmt: skip
+    _add_tls_args(p, "the gateway's own listeners (HTTP and gRPC)")
+    p.add_argument(
+        "--backend-tls",
+        action="store_true",
+        help="replicas found by DNS, and gRPC ones, speak TLS (https:// URLs always)",
+    )
+    p.add_argument("--backend-ca-certs", metavar="PEM",
+                   help="the CAs replicas' certificates are checked against (default: the "
+                        "system's)")  # fmt: skip
+    p.add_argument(
+        "--backend-certfile",
+        metavar="PEM",
+        help="the gateway's certificate, for replicas under mutual TLS",
+    )
+    p.add_argument("--backend-keyfile", metavar="PEM", help="its key")
     p.set_defaults(func=route)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)

@@ -135,3 +135,54 @@ def test_bad_tls_files_stop_the_start(flags, message):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_gateway_over_tls_to_tls_replicas(tls_server, pki):
+    """`lantau route` with its own certificate, in front of a TLS replica found by DNS
+    (`localhost`: its certificate checked against that name, though the gateway connects to
+    the address) and its gRPC port over TLS: the official clients through it over TLS."""
+    port, grpc_port = free_port(), free_port()
+    cmd = [
+        sys.executable, "-m", "lantau.cli", "route", "--port", str(port),
+        "--grpc-port", str(grpc_port), "--health-interval", "0.3",
+        "--backend-dns", f"localhost:{tls_server.port}",
+        "--grpc-backend", f"127.0.0.1:{tls_server.grpc_port}", "--backend-tls",
+        "--backend-ca-certs", pki["ca"], "--ssl-keyfile", pki["key"], "--ssl-certfile", pki["cert"],
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"https://127.0.0.1:{port}"
+    try:
+        http = httpx.Client(verify=trusting(pki), timeout=30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if http.get(f"{base}/v1/models").json()["data"]:
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", http_client=http)
+        r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
+        grpc = grpcclient.InferenceServerClient(
+            f"127.0.0.1:{grpc_port}", ssl=True, root_certificates=pki["ca"]
+        )
+        assert grpc.is_server_ready() and grpc.is_model_ready(MODEL)
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert f"on https://127.0.0.1:{port}" in out, out
+
+
+def test_gateway_refuses_tls_files_that_do_not_load(pki):
+    for flags, message in (
+        (["--backend-ca-certs", "no.pem"], "--backend-ca-certs"),
+        (["--backend-certfile", pki["client_cert"]], "--backend-certfile and --backend-keyfile"),
+        (["--ssl-keyfile", pki["key"]], "--ssl-keyfile and --ssl-certfile go together"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "lantau.cli", "route", "--backend", "http://127.0.0.1:9",
+             *flags], capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -52,7 +52,15 @@ class GrpcRelay(grpc.GenericRpcHandler):
     def channel(self, backend: Backend) -> grpc.aio.Channel:
         if backend.url not in self._channels:
             address = backend.url.removeprefix("grpc://")
-            self._channels[backend.url] = grpc.aio.insecure_channel(address)
+            config = self.gateway.config
+            if config.backend_tls:  # the certificate checked against its DNS name, if found so
+                name = [("grpc.ssl_target_name_override", backend.tls_name)]
+                self._channels[backend.url] = grpc.aio.secure_channel(
+                    address, config.backend_client.grpc_credentials(),
+                    options=name if backend.tls_name else None,
+                )  # fmt: skip
+            else:
+                self._channels[backend.url] = grpc.aio.insecure_channel(address)
         return self._channels[backend.url]
 
     async def close(self) -> None:

@@ -17,6 +17,8 @@ class Backend:
     """One replica (a `lantau serve`, or any OpenAI-compatible server) as the gateway sees it."""
 
     url: str  # base URL without a trailing slash, e.g. http://10.0.0.5:8000
+    # the name its TLS certificate carries where the URL holds an address (a DNS-found one's)
+    tls_name: str | None = None
     is_healthy: bool = False  # its last health check, or the last call through it, succeeded
     is_draining: bool = False  # takes no new requests (being removed, or its operator said so)
     num_in_flight: int = 0  # requests this gateway has open on it now

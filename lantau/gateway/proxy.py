@@ -30,6 +30,7 @@ from multidict import CIMultiDict
 from lantau.gateway.grpc_proxy import GrpcRelay, grpc_backend
 from lantau.gateway.policy import Backend, backends_to_try, make_policy
 from lantau.metrics.gc_pauses import PROCESS_GC
+from lantau.tls import ClientTls, ServerTls
 
 logger = logging.getLogger("lantau.gateway")
 
@@ -60,6 +61,11 @@ class GatewayConfig:
     backend_api_key: str | None = None  # sent with the gateway's own /v1/models reads
     backend_dns: tuple[str, ...] = ()  # NAME:PORT, resolved each health round to backends
     grpc_backend_dns: tuple[str, ...] = ()  # the same for gRPC ports
+    tls: ServerTls | None = None  # the gateway's own listeners (HTTP and gRPC)
+    # replicas found by DNS and gRPC ones speak TLS (https:// URLs always do), verified with
+    # backend_client's CAs (None: the system's), its certificate presented where asked
+    backend_tls: bool = False
+    backend_client: ClientTls = ClientTls()
 
     def __post_init__(self) -> None:
         """What could not serve is refused here, at the edge, before any port opens."""
@@ -79,6 +85,7 @@ class GatewayConfig:
         for address in self.grpc_backends:
             grpc_backend(address)
         make_policy(self.policy)  # an unknown name
+        self.backend_client.context()  # files that do not load
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,8 @@ class Gateway:
     async def start(self, app: web.Application) -> None:
         # NOTE: no decompression: bodies pass through byte for byte with their Content-Encoding
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
+            connector=aiohttp.TCPConnector(limit=0, ssl=self.config.backend_client.context()),
+            auto_decompress=False,
         )
         if self.config.grpc_port is not None:
             await self._start_grpc()
@@ -136,7 +144,11 @@ class Gateway:
         self._grpc_server = grpc.aio.server()
         self._grpc_server.add_generic_rpc_handlers((self._grpc_relay,))
         address = f"{self.config.host}:{self.config.grpc_port}"
-        self.bound_grpc_port = self._grpc_server.add_insecure_port(address)
+        if self.config.tls is None:
+            self.bound_grpc_port = self._grpc_server.add_insecure_port(address)
+        else:
+            credentials = self.config.tls.grpc_credentials()
+            self.bound_grpc_port = self._grpc_server.add_secure_port(address, credentials)
         await self._grpc_server.start()
         logger.info("gRPC on %s:%d", self.config.host, self.bound_grpc_port)
 
@@ -170,7 +182,8 @@ class Gateway:
         """--backend-dns / --grpc-backend-dns: each name's addresses now (a Kubernetes
         headless Service's ready pods); a new one becomes a backend (checked before it takes
         requests), one gone is drained and removed. A failed lookup changes nothing."""
-        sources = [(e, "http", self.backends) for e in self.config.backend_dns]
+        http = "https" if self.config.backend_tls else "http"
+        sources = [(e, http, self.backends) for e in self.config.backend_dns]
         sources += [(e, "grpc", self.grpc_backends) for e in self.config.grpc_backend_dns]
         for entry, scheme, pool in sources:
             host, _, port = entry.rpartition(":")
@@ -183,7 +196,7 @@ class Gateway:
                     for a in addresses}  # fmt: skip
             known = self._discovered.setdefault((scheme, entry), set())
             for url in sorted(urls - known):
-                pool.append(Backend(url))
+                pool.append(Backend(url, tls_name=host))
                 logger.info("backend %s found (%s)", url, entry)
             for url in known - urls:
                 backend = next((b for b in pool if b.url == url), None)
@@ -206,7 +219,9 @@ class Gateway:
     async def check(self, backend: Backend) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
         try:
-            async with self._session.get(backend.url + "/health", timeout=timeout) as resp:
+            async with self._session.get(
+                backend.url + "/health", timeout=timeout, server_hostname=backend.tls_name
+            ) as resp:
                 await resp.read()
                 is_healthy = resp.status == 200
             if is_healthy:
@@ -228,7 +243,9 @@ class Gateway:
         """A replica's JSON answer to GET path (with --backend-api-key), or None."""
         key = self.config.backend_api_key
         headers = {"authorization": f"Bearer {key}"} if key else {}
-        async with self._session.get(backend.url + path, headers=headers, timeout=timeout) as r:
+        async with self._session.get(
+            backend.url + path, headers=headers, timeout=timeout, server_hostname=backend.tls_name
+        ) as r:
             body = await r.read()
         try:
             return orjson.loads(body) if r.status == 200 else None
@@ -299,8 +316,9 @@ class Gateway:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
         try:
             async with self._session.request(
-                request.method, url, data=body, headers=headers, timeout=timeout
-            ) as resp:
+                request.method, url, data=body, headers=headers, timeout=timeout,
+                server_hostname=backend.tls_name,
+            ) as resp:  # fmt: skip
                 backend.num_responses[str(resp.status)] += 1
                 if resp.status in _RETRIED_STATUSES:
                     if resp.status == 503:  # starting, draining or unloading: not for new work
@@ -551,8 +569,9 @@ def run(config: GatewayConfig) -> None:
     sources = config.backends + config.backend_dns + config.grpc_backends + config.grpc_backend_dns
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logger.info(
-        "routing to %s (%s) on http://%s:%d",
-        ", ".join(sources), config.policy, config.host, config.port,
+        "routing to %s (%s) on %s://%s:%d",
+        ", ".join(sources), config.policy, "https" if config.tls else "http", config.host,
+        config.port,
     )  # fmt: skip
     app = build_app(config)
 
@@ -563,5 +582,5 @@ def run(config: GatewayConfig) -> None:
     web.run_app(
         app, host=config.host, port=config.port, print=None,
         shutdown_timeout=config.drain_timeout_s, handler_cancellation=True,
-        auto_decompress=False,
+        auto_decompress=False, ssl_context=config.tls.context() if config.tls else None,
     )  # fmt: skip

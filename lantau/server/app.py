@@ -27,6 +27,7 @@ from lantau.server.observability import RequestIdMiddleware
 from lantau.server.openai_api import error_response, json_response, make_openai_router
 from lantau.server.schemas import RequestLimits
 from lantau.server.tool_calls import tool_parser
+from lantau.tls import ServerTls
 
 if TYPE_CHECKING:
     from lantau.server.model_control import ModelManager
@@ -68,15 +69,8 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
-    # TLS on both listeners (HTTP and gRPC): the server's key and certificate chain (PEM);
-    # with ssl_ca_certs, clients must present a certificate that CA signed (mutual TLS)
-    ssl_keyfile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_ca_certs: str | None = None
-
-    @property
-    def tls(self) -> bool:
-        return self.ssl_certfile is not None
+    # TLS on both listeners (HTTP and gRPC), mutual with a client CA (lantau/tls.py)
+    tls: ServerTls | None = None
 
     trust_request_chat_template: bool = False  # a request's `chat_template` runs
 
@@ -123,26 +117,16 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def uvicorn_tls(config: ServerConfig) -> dict:
+def uvicorn_tls(tls: ServerTls | None) -> dict:
     """uvicorn's TLS arguments (none without a certificate)."""
-    if not config.tls:
+    if tls is None:
         return {}
     import ssl
 
-    required = config.ssl_ca_certs is not None
     return {
-        "ssl_keyfile": config.ssl_keyfile, "ssl_certfile": config.ssl_certfile,
-        "ssl_ca_certs": config.ssl_ca_certs,
-        "ssl_cert_reqs": ssl.CERT_REQUIRED if required else ssl.CERT_NONE,
+        "ssl_keyfile": tls.keyfile, "ssl_certfile": tls.certfile, "ssl_ca_certs": tls.ca_certs,
+        "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.ca_certs else ssl.CERT_NONE,
     }  # fmt: skip
-
-
-def tls_files(config: ServerConfig) -> tuple[bytes, bytes, bytes | None] | None:
-    """The gRPC listener's key, certificate chain and client CA (PEM bytes), or None."""
-    if not config.tls:
-        return None
-    ca = Path(config.ssl_ca_certs).read_bytes() if config.ssl_ca_certs else None
-    return Path(config.ssl_keyfile).read_bytes(), Path(config.ssl_certfile).read_bytes(), ca
 
 
 def build_app(
@@ -457,7 +441,8 @@ async def serve(
                 router, None, config.host, config.grpc_port,
                 app.state.is_ready, api_keys=config.api_keys,
                 max_message_bytes=config.max_body_bytes, control=control, metrics=metrics,
-                statistics=app.state.figures, tls=tls_files(config),
+                statistics=app.state.figures,
+                credentials=config.tls.grpc_credentials() if config.tls else None,
             )  # fmt: skip
     uvicorn_config = uvicorn.Config(
         app,
@@ -466,7 +451,7 @@ async def serve(
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,  # a connection still open after its request ended
-        **uvicorn_tls(config),
+        **uvicorn_tls(config.tls),
     )
     server = _draining_server_class()(uvicorn_config, router, state, config.drain_timeout_s)
 
@@ -478,7 +463,7 @@ async def serve(
 
     watcher = asyncio.create_task(watch_engine())
     what, detail = banner
-    scheme = "https" if config.tls else "http"
+    scheme = "https" if config.tls is not None else "http"
     print(f"lantau serving {what} on {scheme}://{config.host}:{config.port} ({detail})", flush=True)
     PROCESS_GC.start()  # start-up's objects out of the collector's walks (gc_pauses.py)
     await server.serve()

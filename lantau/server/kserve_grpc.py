@@ -363,12 +363,11 @@ async def start_grpc_server(
     control: ModelManager | None = None,
     metrics=None,
     statistics: Callable[[], list] | None = None,
-    tls: tuple[bytes, bytes, bytes | None] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> grpc.aio.Server:
     """Serve `inference.GRPCInferenceService` on host:port; stop it with `await server.stop(s)`.
-    A request message is capped as an HTTP body is (`max_message_bytes`). `tls`: the key,
-    certificate chain and client CA (PEM; with a CA, clients must present a certificate it
-    signed): TLS only, as the HTTP listener."""
+    A request message is capped as an HTTP body is (`max_message_bytes`). `credentials`: TLS
+    only (lantau/tls.py), as the HTTP listener."""
     server = grpc.aio.server(
         interceptors=[APIKeyInterceptor(api_keys)] if api_keys else [],
         options=[
@@ -381,13 +380,9 @@ async def start_grpc_server(
         metrics = getattr(engine, "metrics", None)
     service = InferenceService(router, is_ready, control, metrics, statistics)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
-    if tls is None:
+    if credentials is None:
         bound_port = server.add_insecure_port(f"{host}:{port}")
     else:
-        key, chain, ca = tls
-        credentials = grpc.ssl_server_credentials(
-            [(key, chain)], root_certificates=ca, require_client_auth=ca is not None
-        )
         bound_port = server.add_secure_port(f"{host}:{port}", credentials)
     await server.start()
     logger.info("KServe gRPC on %s:%d", host, bound_port)
