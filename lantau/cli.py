@@ -298,6 +298,7 @@ def serve(args: argparse.Namespace) -> int:
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         enable_metrics=args.enable_metrics,
         metrics_buckets=tuple(args.metrics_buckets or ()),
         log_requests=args.log_requests,
@@ -633,6 +634,11 @@ def make_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=["hermes", "llama3_json"],
         help="the model family's tool-call format (with --enable-auto-tool-choice)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        help="a reasoning model's thinking apart from its answer: reasoning_content on chat",
     )
     _add_observability_args(p)
     p.set_defaults(func=serve)

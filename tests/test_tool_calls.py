@@ -148,10 +148,12 @@ ANSWERS = {  # the last user message -> the model's scripted answer
 
 class ScriptedChat(EchoEngine):
     """EchoEngine with a real tokenizer and a tools-aware template, answering each
-    conversation from ANSWERS three characters a step; keeps the prompts it rendered."""
+    conversation from `script` (last user message -> answer, or (answer, finish reason);
+    default ANSWERS) three characters a step; keeps the prompts it rendered."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: dict | None = None) -> None:
         super().__init__()
+        self.script = ANSWERS if script is None else script
         from lantau.model.source import load_tokenizer, resolve_model_source
 
         self.tokenizer = load_tokenizer(resolve_model_source("random:tiny"))
@@ -166,11 +168,12 @@ class ScriptedChat(EchoEngine):
         self.rendered.append(text)
         user = [m["content"] for m in conversation if m["role"] == "user"][-1]
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        self.answers[len(ids)] = ANSWERS[user]
+        self.answers[len(ids)] = self.script[user]
         return ids
 
     async def generate(self, request_id, prompt, params, priority=0):
         text = self.answers[len(prompt["prompt_token_ids"])]
+        text, reason = (text, "stop") if isinstance(text, str) else text
         output = RequestOutput(request_id, None, prompt["prompt_token_ids"])
         output.outputs = [CompletionOutput(0, "", [], None)]
         for at in range(0, len(text), 3):
@@ -178,7 +181,7 @@ class ScriptedChat(EchoEngine):
             seq = output.outputs[0]
             seq.text, seq.token_ids = text[: at + 3], [*seq.token_ids, 1]
             if at + 3 >= len(text):
-                seq.finish_reason, output.finished = "stop", True
+                seq.finish_reason, output.finished = reason, True
             yield output
 
 

@@ -25,6 +25,7 @@ from lantau.server.auth import is_authorized, presented_key
 from lantau.server.models import ModelRouter, SingleModelRouter
 from lantau.server.observability import RequestIdMiddleware
 from lantau.server.openai_api import error_response, json_response, make_openai_router
+from lantau.server.reasoning import reasoning_parser
 from lantau.server.schemas import RequestLimits
 from lantau.server.tool_calls import tool_parser
 from lantau.tls import ServerTls
@@ -56,6 +57,7 @@ class ServerConfig:
     max_n: int = 128  # samples one request may ask for (`n`)
     max_logprobs: int = 20  # top logprobs one token may ask for (under OpenAI's own limits)
     tool_call_parser: str | None = None  # chat `tools` served (server/tool_calls.py); None: 400
+    reasoning_parser: str | None = None  # a chat answer's thinking apart (server/reasoning.py)
     enable_metrics: bool = True  # /metrics; off: nothing timed or counted (for A/B runs)
     metrics_buckets: tuple[str, ...] = ()  # --metrics-buckets NAME=B1,B2,... overrides
     log_requests: bool = False  # one JSON line per inference request on stderr
@@ -230,6 +232,7 @@ def build_app(
             config.max_body_bytes,
             config.limits,
             tool_parser=tool_parser(config.tool_call_parser),
+            reasoning_parser=reasoning_parser(config.reasoning_parser),
         )  # fmt: skip
     )
     try:

@@ -29,6 +29,7 @@ from lantau.server.body import RequestBodyError
 from lantau.server.body import read_body as read_raw_body
 from lantau.server.models import ModelRouter, ServedModel, as_router
 from lantau.server.observability import engine_request_id
+from lantau.server.reasoning import ReasoningParser
 from lantau.server.schemas import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -359,11 +360,13 @@ class OpenAIServer:
         max_body_bytes: int,
         limits: RequestLimits,
         tool_parser: ToolParser | None = None,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         self.router = router
         self.max_body_bytes = max_body_bytes
         self.limits = limits
         self.tool_parser = tool_parser  # chat `tools` served (--tool-call-parser); None: 400
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser: chat thinking apart
 
     def tools_of(self, body: ChatRequest) -> list[dict] | None:
         """The tools a chat request gives its template and reads calls of (None: none)."""
@@ -518,6 +521,8 @@ class OpenAIServer:
             results = _batch(served, request_id, prompts, params, priority)
         reply = Reply(request_id, served.name, engine.tokenizer, chat, params, len(prompts), echo)
         reply.show_prompt_logprobs = body.prompt_logprobs is not None
+        if chat:
+            reply.reasoning_parser = self.reasoning_parser
         if tools:
             reply.tool_parser = self.tool_parser
             reply.tool_names = {t["function"]["name"] for t in tools}
@@ -585,8 +590,10 @@ class OpenAIServer:
         for o in output.outputs:
             choice: dict[str, Any] = {"index": o.index, "finish_reason": o.finish_reason}
             if reply.chat:
-                content, calls = reply.tool_calls(o)
+                reasoning, content, calls = reply.answer(o)
                 choice["message"] = {"role": "assistant", "content": content}
+                if reasoning is not None:  # vLLM's field, and its newer name
+                    choice["message"] |= {"reasoning_content": reasoning, "reasoning": reasoning}
                 if calls:
                     choice["message"]["content"] = content if content.strip() else None
                     choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
@@ -647,17 +654,24 @@ class OpenAIServer:
 
         detailed = echo is not None or params.logprobs is not None
         tooled = reply.tool_parser is not None
+        thinking = reply.reasoning_parser
+        sent_reasoning = [0] * (params.n * reply.num_prompts)  # thinking's characters sent
 
         def delta_of(part: RequestOutput, o) -> dict | None:
             """The choice chunk for one sequence's new text, held back near stop strings;
             None when it has nothing new (or has ended already: a finished sequence stays in
             its request's outputs while the others run on). NOTE: once a token a stream:
             kept lean."""
-            i, reason, text = o.index, o.finish_reason, o.text
-            if i in ended:
+            if o.index in ended:
                 return None
+            if thinking is not None:
+                return reasoning_delta(part, o)
             if tooled:
                 return tool_delta(part, o)
+            return plain_delta(part, o)
+
+        def plain_delta(part: RequestOutput, o) -> dict | None:
+            i, reason, text = o.index, o.finish_reason, o.text
             start = sent[i]
             end = len(text) if reason is not None else max(start, len(text) - hold)
             if end == start and reason is None:
@@ -674,6 +688,36 @@ class OpenAIServer:
                     "logprobs": logprobs,
                 }  # fmt: skip
             return {"index": i, "text": delta, "finish_reason": reason, "logprobs": logprobs}
+
+        def reasoning_delta(part: RequestOutput, o) -> dict | None:
+            """delta_of for a reasoning model's chat: the thinking's new text as
+            `reasoning_content` (held back near a stop string or a half-written end tag), then
+            the answer's through delta_of's own paths, on the answer's text alone."""
+            i, reason = o.index, o.finish_reason
+            split = thinking.split(o.text, final=reason is not None)
+            reasoning = split.reasoning or ""
+            end = len(reasoning)
+            if reason is None and split.content is None:
+                end = max(sent_reasoning[i], end - hold)
+            new = reasoning[sent_reasoning[i] : end]
+            sent_reasoning[i] = max(sent_reasoning[i], end)
+            if split.content is not None:
+                answer = dataclasses.replace(o, text=split.content)
+                choice = tool_delta(part, answer) if tooled else plain_delta(part, answer)
+            elif reason is not None:  # cut while thinking: no answer
+                ended.add(i)
+                choice = {"index": i, "delta": {}, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = None
+            if new:
+                choice = choice or {
+                    "index": i,
+                    "delta": {},
+                    "finish_reason": None,
+                    "logprobs": None,
+                }
+                choice["delta"] = {"reasoning_content": new, "reasoning": new, **choice["delta"]}
+            return choice
 
         def tool_delta(part: RequestOutput, o) -> dict | None:
             """delta_of for a request with tools: what may start a call is held back until
@@ -753,12 +797,23 @@ class Reply:
     show_prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: in the body
     tool_parser: ToolParser | None = None  # reads tool calls back from the answer
     tool_names: set[str] = dataclasses.field(default_factory=set)  # the request's tools
+    reasoning_parser: ReasoningParser | None = None  # a chat answer's thinking apart
 
     def tool_calls(self, o) -> tuple[str, list[ToolCall]]:
         """A finished choice's content and tool calls (none: its text, [])."""
         if self.tool_parser is None:
             return o.text, []
         return self.tool_parser.extract(o.text, self.tool_names)
+
+    def answer(self, o) -> tuple[str | None, str | None, list[ToolCall]]:
+        """A finished chat choice's thinking (None without a reasoning parser), content (None
+        when cut while thinking) and tool calls, read from the answer after the thinking."""
+        if self.reasoning_parser is None:
+            return None, *self.tool_calls(o)
+        split = self.reasoning_parser.split(o.text)
+        if split.content is None:
+            return split.reasoning, None, []
+        return split.reasoning, *self.tool_calls(dataclasses.replace(o, text=split.content))
 
     def logprobs(self, part: RequestOutput, o, start: int, offset: int) -> dict | None:
         """A choice's logprobs from its token `start` on (OpenAI's shape for the route; None
@@ -960,11 +1015,15 @@ def make_openai_router(
     max_body_bytes: int,
     limits: RequestLimits | None = None,
     tool_parser: ToolParser | None = None,
+    reasoning_parser: ReasoningParser | None = None,
 ) -> APIRouter:
     """The OpenAI routes for a router's models (or one engine named `model_name`);
-    `tool_parser`: chat `tools` served (--tool-call-parser)."""
+    `tool_parser`: chat `tools` served (--tool-call-parser); `reasoning_parser`: a chat
+    answer's thinking apart (--reasoning-parser)."""
     models = as_router(engine, model_name)
-    server = OpenAIServer(models, max_body_bytes, limits or RequestLimits(), tool_parser)
+    server = OpenAIServer(
+        models, max_body_bytes, limits or RequestLimits(), tool_parser, reasoning_parser
+    )
     router = APIRouter()
 
     @router.get("/v1/models")

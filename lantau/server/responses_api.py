@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -227,6 +227,7 @@ class ResponsesServer:
         request_id = engine_request_id("resp")
         results = served.generate(request_id, {"prompt_token_ids": ids}, params)
         reply = Reply(request_id, served.name, engine.tokenizer, True, params)
+        reply.reasoning_parser = server.reasoning_parser
         if tools:
             reply.tool_parser = server.tool_parser
             reply.tool_names = {t["function"]["name"] for t in tools}
@@ -246,6 +247,7 @@ class Answer:
         self.reply, self.body, self.created = reply, body, created
         self.id = reply.request_id
         self.message_id = "msg_" + self.id.removeprefix("resp-")
+        self.reasoning_id = "rs_" + self.id.removeprefix("resp-")
 
     def response(self, final: RequestOutput | None, status: str | None = None) -> dict:
         """The Response object (`final` None: in progress, no output yet)."""
@@ -253,9 +255,11 @@ class Answer:
         output, usage, incomplete = [], None, None
         if final is not None:
             o = final.outputs[0]
-            content, calls = self.reply.tool_calls(o)
-            if content or not calls:
-                output.append(self.message(content, o.finish_reason))
+            reasoning, content, calls = self.reply.answer(o)
+            if reasoning is not None:
+                output.append(self.reasoning_item(reasoning, "completed"))
+            if content or (not calls and reasoning is None):
+                output.append(self.message(content or "", o.finish_reason))
             output += [self.call_item(call, k) for k, call in enumerate(calls)]
             if o.finish_reason == "length":
                 incomplete = {"reason": "max_output_tokens"}
@@ -263,7 +267,9 @@ class Answer:
                 "input_tokens": len(final.prompt_token_ids),
                 "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
                 "output_tokens": len(o.token_ids),
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {
+                    "reasoning_tokens": self.reasoning_tokens(o, reasoning, content)
+                },
                 "total_tokens": len(final.prompt_token_ids) + len(o.token_ids),
             }
         if status is None:
@@ -306,6 +312,26 @@ class Answer:
             "content": content,
         }  # fmt: skip
 
+    def reasoning_tokens(self, o, reasoning: str | None, content: str | None) -> int:
+        """The output tokens spent thinking: up to the end-of-thinking token where it is one
+        (DeepSeek-R1's), else as many as the thinking's text encodes to."""
+        tokenizer = self.reply.tokenizer
+        if reasoning is None:
+            return 0
+        if content is None or tokenizer is None:
+            return len(o.token_ids) if content is None else 0
+        end = tokenizer.encode(self.reply.reasoning_parser.end, add_special_tokens=False)
+        if len(end) == 1 and end[0] in o.token_ids:
+            return o.token_ids.index(end[0]) + 1
+        return min(len(o.token_ids), len(tokenizer.encode(reasoning, add_special_tokens=False)))
+
+    def reasoning_item(self, text: str, status: str) -> dict:
+        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+        return {
+            "type": "reasoning", "id": self.reasoning_id, "status": status, "summary": [],
+            "content": content,
+        }  # fmt: skip
+
     @staticmethod
     def text_part(text: str) -> dict:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -321,48 +347,83 @@ class Answer:
     async def stream(
         self, results: AsyncIterator[RequestOutput], deadline: float | None
     ) -> AsyncIterator[bytes]:
-        """The events OpenAI streams: created, in progress, the message item and its text
-        deltas (held back near a stop string, and where a tool call may start), each function
-        call, then completed (or incomplete)."""
+        """The events OpenAI streams: created, in progress, the items as they come (a
+        reasoning model's thinking first, then the message, its text deltas held back near a
+        stop string, a half-written end of thinking and where a tool call may start), each
+        function call, then completed (or incomplete)."""
         numbers = itertools.count()
         reply = self.reply
         hold = _held_back(reply.params)
-        parser = reply.tool_parser
-        ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        parser, thinking = reply.tool_parser, reply.reasoning_parser
+        indices: dict[str, int] = {}  # item id -> its output_index, as items open
+        closed: set[str] = set()
 
         def event(kind: str, **fields: Any) -> bytes:
             data = {"type": kind, "sequence_number": next(numbers), **fields}
             return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
+        def where(item_id: str) -> dict:
+            return {"item_id": item_id, "output_index": indices[item_id], "content_index": 0}
+
+        def open_reasoning() -> Iterator[bytes]:
+            if self.reasoning_id not in indices:
+                indices[self.reasoning_id] = len(indices)
+                item = self.reasoning_item("", "in_progress")
+                yield event("response.output_item.added", output_index=len(indices) - 1,
+                            item=item)  # fmt: skip
+
+        def close_reasoning(text: str) -> Iterator[bytes]:
+            if self.reasoning_id in indices and self.reasoning_id not in closed:
+                closed.add(self.reasoning_id)
+                rid = self.reasoning_id
+                yield event("response.reasoning_text.done", **where(rid), text=text)
+                yield event("response.output_item.done", output_index=indices[rid],
+                            item=self.reasoning_item(text, "completed"))  # fmt: skip
+
+        def open_message() -> Iterator[bytes]:
+            if self.message_id not in indices:
+                indices[self.message_id] = len(indices)
+                yield event("response.output_item.added", output_index=len(indices) - 1,
+                            item=self.message("", None))  # fmt: skip
+                yield event("response.content_part.added", **where(self.message_id),
+                            part=self.text_part(""))  # fmt: skip
+
         started = self.response(None)
         yield event("response.created", response=started)
         yield event("response.in_progress", response=started)
-        sent, opened, last = 0, False, None
-
-        def open_message() -> list[bytes]:
-            return [
-                event(
-                    "response.output_item.added", output_index=0, item=self.message("", None)
-                ),  # fmt: skip
-                event("response.content_part.added", **ids, part=self.text_part("")),
-            ]
-
+        sent, sent_thinking, last = 0, 0, None
         try:
             async with asyncio.timeout_at(deadline):
                 async for output in results:
                     last, o = output, output.outputs[0]
                     if o.finish_reason is not None:
                         break
-                    end = len(o.text) - hold
-                    if parser is not None:
-                        end = min(end, parser.streamable(o.text))
-                    if end > sent:
-                        if not opened:
-                            opened = True
-                            for chunk in open_message():
+                    text, reasoning = o.text, None
+                    if thinking is not None:
+                        split = thinking.split(o.text, final=False)
+                        text, reasoning = split.content, split.reasoning
+                    if reasoning is not None:
+                        end = len(reasoning) if text is not None else len(reasoning) - hold
+                        if end > sent_thinking:
+                            for chunk in open_reasoning():
                                 yield chunk
-                        yield event("response.output_text.delta", **ids,
-                                    delta=o.text[sent:end], logprobs=[])  # fmt: skip
+                            yield event("response.reasoning_text.delta",
+                                        **where(self.reasoning_id),
+                                        delta=reasoning[sent_thinking:end])  # fmt: skip
+                            sent_thinking = end
+                        if text is not None:
+                            for chunk in close_reasoning(reasoning):
+                                yield chunk
+                    if text is None:
+                        continue
+                    end = len(text) - hold
+                    if parser is not None:
+                        end = min(end, parser.streamable(text))
+                    if end > sent:
+                        for chunk in open_message():
+                            yield chunk
+                        yield event("response.output_text.delta", **where(self.message_id),
+                                    delta=text[sent:end], logprobs=[])  # fmt: skip
                         sent = end
         except Exception as e:  # the stream has started: report in-band, then end it
             error = orjson.loads(_error_for(e).body)["error"]
@@ -372,30 +433,38 @@ class Answer:
         finally:
             await results.aclose()
         o = last.outputs[0]
-        content, calls = reply.tool_calls(o)
-        index = 0
-        if content or not calls:
-            if not opened:
-                for chunk in open_message():
-                    yield chunk
+        reasoning, content, calls = reply.answer(o)
+        if reasoning is not None:
+            for chunk in open_reasoning():
+                yield chunk
+            if len(reasoning) > sent_thinking:
+                yield event("response.reasoning_text.delta", **where(self.reasoning_id),
+                            delta=reasoning[sent_thinking:])  # fmt: skip
+            for chunk in close_reasoning(reasoning):
+                yield chunk
+        if content or (not calls and reasoning is None):
+            content = content or ""
+            for chunk in open_message():
+                yield chunk
+            mid = self.message_id
             if len(content) > sent:
-                yield event("response.output_text.delta", **ids, delta=content[sent:],
+                yield event("response.output_text.delta", **where(mid), delta=content[sent:],
                             logprobs=[])  # fmt: skip
-            part = self.text_part(content)
-            yield event("response.output_text.done", **ids, text=content, logprobs=[])
-            yield event("response.content_part.done", **ids, part=part)
-            yield event("response.output_item.done", output_index=0,
+            yield event("response.output_text.done", **where(mid), text=content, logprobs=[])
+            yield event("response.content_part.done", **where(mid), part=self.text_part(content))
+            yield event("response.output_item.done", output_index=indices[mid],
                         item=self.message(content, o.finish_reason))  # fmt: skip
-            index = 1
         for k, call in enumerate(calls):
+            index = len(indices)
             item_id = self.call_item(call, k)["id"]
-            yield event("response.output_item.added", output_index=index + k,
+            indices[item_id] = index
+            yield event("response.output_item.added", output_index=index,
                         item=self.call_item(call, k, arguments=""))  # fmt: skip
             yield event("response.function_call_arguments.delta", item_id=item_id,
-                        output_index=index + k, delta=call.arguments)  # fmt: skip
+                        output_index=index, delta=call.arguments)  # fmt: skip
             yield event("response.function_call_arguments.done", item_id=item_id,
-                        output_index=index + k, arguments=call.arguments)  # fmt: skip
-            yield event("response.output_item.done", output_index=index + k,
+                        output_index=index, arguments=call.arguments)  # fmt: skip
+            yield event("response.output_item.done", output_index=index,
                         item=self.call_item(call, k))  # fmt: skip
         final = self.response(last)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"

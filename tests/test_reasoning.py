@@ -1,0 +1,144 @@
+"""A reasoning model's thinking apart from its answer (`--reasoning-parser`, vLLM's flag): the
+parsers' split on whole and half-written texts, then through the official openai client on a
+scripted engine: `reasoning_content` beside the content (tool calls read from the answer
+only), streamed as its own deltas that add up to the same, cut while thinking; the Responses
+API's reasoning item; nothing split without the flag."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from lantau.server.app import ServerConfig, build_app
+from lantau.server.reasoning import Split, reasoning_parser
+from tests.servers import app_server
+from tests.test_tool_calls import CALL, TOOLS, ScriptedChat
+
+THOUGHT = "The user asks about order 7. It left the depot today, so: tomorrow."
+SCRIPT = {  # the last user message -> the model's answer (and finish reason)
+    "when?": f"<think>{THOUGHT}</think>\n\nIt arrives tomorrow.",
+    "implicit": f"{THOUGHT}</think>It arrives tomorrow.",  # the template opened the thinking
+    "weather?": f"<think>I need the weather.</think><tool_call>{CALL}</tool_call>",
+    "cut": (f"<think>{THOUGHT}", "length"),
+}
+
+
+def test_split_whole_and_half_written():
+    r1, qwen3 = reasoning_parser("deepseek_r1"), reasoning_parser("qwen3")
+    assert r1.split("<think>a b</think>\n\nc") == Split("a b", "\n\nc")
+    assert r1.split("a b</think>c") == Split("a b", "c")  # opened by the template
+    assert r1.split("a b") == Split("a b", None)  # cut while thinking
+    assert r1.split("<think>a b</thi", final=False) == Split("a b", None)  # held back
+    assert r1.split("<think>a b</th", final=True) == Split("a b</th", None)
+    assert r1.split("<think></think>") == Split("", "")
+    assert r1.split("<thi", final=False) == Split("", None)  # may yet open the thinking
+    assert qwen3.split("plain answer") == Split(None, "plain answer")  # thinking off
+    assert qwen3.split("<think>x</think>y") == Split("x", "y")
+    assert qwen3.split("<thi", final=False) == Split(None, None)  # may open thinking yet
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r2'"):
+        reasoning_parser("r2")
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["parser", "no-parser"])
+def served(request):
+    engine = ScriptedChat(SCRIPT)
+    config = ServerConfig(grpc_port=0, tool_call_parser="hermes",
+                          reasoning_parser="deepseek_r1" if request.param else None)  # fmt: skip
+    with app_server(build_app(engine, config)) as base:
+        yield request.param, openai.OpenAI(base_url=f"{base}/v1", api_key="x")
+
+
+def ask(client, content: str, **kwargs):
+    messages = [{"role": "user", "content": content}]
+    return client.chat.completions.create(model="lantau", messages=messages, **kwargs)
+
+
+def streamed(client, content: str, **kwargs) -> tuple[str, str, list, list[str]]:
+    """(thinking, content, tool calls, the order of the kinds of deltas) of a stream."""
+    thinking, text, calls, order = "", "", [], []
+    for chunk in ask(client, content, stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        extra = delta.model_extra or {}
+        if extra.get("reasoning_content"):
+            assert extra["reasoning"] == extra["reasoning_content"]
+            thinking += extra["reasoning_content"]
+            order.append("thinking")
+        if delta.content:
+            text += delta.content
+            order.append("content")
+        calls += delta.tool_calls or []
+    return thinking, text, calls, order
+
+
+def test_chat_thinking_apart(served):
+    parsed, client = served
+    for user in ("when?", "implicit"):
+        message = ask(client, user).choices[0].message
+        if not parsed:  # without the flag: the text as the model wrote it
+            assert (
+                message.content == SCRIPT[user] and "reasoning_content" not in message.model_extra
+            )
+            continue
+        assert message.model_extra["reasoning_content"] == THOUGHT
+        assert message.content.strip() == "It arrives tomorrow."
+        thinking, text, _, order = streamed(client, user)
+        assert thinking == THOUGHT and text == message.content
+        assert order == sorted(order, key=["thinking", "content"].index)  # thinking first
+        assert "</think>" not in thinking + text
+
+
+def test_tool_calls_read_from_the_answer_only(served):
+    parsed, client = served
+    choice = ask(client, "weather?", tools=TOOLS).choices[0]
+    if not parsed:  # the thinking is the text before the call
+        assert choice.message.content == "<think>I need the weather.</think>"
+        assert choice.message.tool_calls[0].function.name == "get_weather"
+        return
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == "I need the weather."
+    assert json.loads(choice.message.tool_calls[0].function.arguments)["city"] == "Paris"
+    thinking, text, calls, _ = streamed(client, "weather?", tools=TOOLS)
+    assert (
+        thinking == "I need the weather." and text == "" and calls[0].function.name == "get_weather"
+    )
+
+
+def test_cut_while_thinking(served):
+    parsed, client = served
+    choice = ask(client, "cut").choices[0]
+    assert choice.finish_reason == "length"
+    if parsed:
+        assert choice.message.content is None
+        assert choice.message.model_extra["reasoning_content"] == THOUGHT
+        thinking, text, _, _ = streamed(client, "cut")
+        assert thinking == THOUGHT and text == ""
+    else:
+        assert choice.message.content == SCRIPT["cut"][0]
+
+
+def test_responses_reasoning_item(served):
+    parsed, client = served
+    r = client.responses.create(model="lantau", input="when?")
+    if not parsed:
+        assert [o.type for o in r.output] == ["message"] and r.output_text == SCRIPT["when?"]
+        assert r.usage.output_tokens_details.reasoning_tokens == 0
+        return
+    thinking, message = r.output
+    assert thinking.type == "reasoning" and thinking.content[0].text == THOUGHT
+    spent = r.usage.output_tokens_details.reasoning_tokens
+    assert 0 < spent < r.usage.output_tokens
+    assert message.type == "message" and r.output_text.strip() == "It arrives tomorrow."
+    events = list(client.responses.create(model="lantau", input="when?", stream=True))
+    added = [
+        (e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"
+    ]
+    assert added == [(0, "reasoning"), (1, "message")]
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == THOUGHT and text == r.output_text
+    kinds = [e.type for e in events]
+    assert kinds.index("response.output_item.done") < kinds.index("response.content_part.added")
+    assert events[-1].type == "response.completed"
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
