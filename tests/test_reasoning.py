@@ -142,3 +142,20 @@ def test_responses_reasoning_item(served):
     assert kinds.index("response.output_item.done") < kinds.index("response.content_part.added")
     assert events[-1].type == "response.completed"
     assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+
+
+def test_grammars_refused_beside_a_reasoning_parser(served):
+    """A response format or a forced call would hold the thinking to the grammar: refused by
+    name with the parser on, served without it."""
+    parsed, client = served
+    asks = [
+        ("response_format", dict(response_format={"type": "json_object"})),
+        ("tool_choice", dict(tools=TOOLS, tool_choice="required")),
+    ]
+    for field, extra in asks:
+        if parsed:
+            with pytest.raises(openai.BadRequestError) as e:
+                ask(client, "when?", **extra)
+            assert e.value.body["param"] == field and "reasoning-parser" in e.value.body["message"]
+        else:
+            assert ask(client, "when?", **extra).choices[0].finish_reason in ("stop", "tool_calls")

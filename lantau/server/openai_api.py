@@ -389,10 +389,21 @@ class OpenAIServer:
         grammar of a call its tool_choice forces."""
         conversation = self.chat_prompt(body, engine.tokenizer)
         tools = self.tools_of(body)
+        if params.structured_outputs is not None and self.reasoning_parser is not None:
+            raise InvalidRequestError(
+                structured_spec(body)[1],
+                "not served with --reasoning-parser: the grammar would forbid the thinking",
+            )
         if (forced := self.forced_call(body, tools)) is not None:
             if params.structured_outputs is not None:
                 raise InvalidRequestError(
                     "tool_choice", "a forced call cannot go with a response format"
+                )
+            if self.reasoning_parser is not None:
+                raise InvalidRequestError(
+                    "tool_choice",
+                    "a forced call is not served with --reasoning-parser: its grammar would "
+                    "forbid the thinking",
                 )
             params = dataclasses.replace(params, structured_outputs=forced)
         return conversation, tools, params
