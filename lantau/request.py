@@ -69,6 +69,9 @@ class SamplingParams:
     # the grammar the output follows (lantau/structured.py): {"json": schema}, {"json_object":
     # true}, {"regex": ...}, {"choice": [...]} or {"grammar": lark}
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: requests share cached prefixes only with requests of the same salt (a tenant's
+    # own), so one cannot learn from its timing what another's prompts began with
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -153,6 +156,12 @@ class SamplingParams:
                 ),
                 f"must map token ids (integers >= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, "
                 f"{MAX_LOGIT_BIAS:g}]",
+            ),
+            (
+                "cache_salt",
+                self.cache_salt is None
+                or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 1024),
+                "must be null or a string of 1 to 1024 characters",
             ),
         ]
 

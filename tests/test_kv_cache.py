@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from lantau.errors import InvalidRequestError
 from lantau.kv_cache import block_pool
 from lantau.kv_cache.manager import KVCacheManager
 from lantau.request import Request, SamplingParams
@@ -118,3 +119,33 @@ def test_double_free_is_caught():
     kv.free(a)
     with pytest.raises(AssertionError, match="double free"):
         kv.pool.free(block)
+
+
+def test_cache_salt_keeps_prefixes_apart(monkeypatch):
+    """Requests share cached prefixes only with the same salt (vLLM's cache_salt): another
+    salt or none misses, the same salt hits; even if every block hashed alike, no salted
+    request takes another's block (each entry's check holds the salt)."""
+    tokens = list(range(13))  # 3 full blocks before the last token
+
+    def cached(kv: KVCacheManager, request_id: str, salt: str | None) -> int:
+        request = Request(request_id, tokens, SamplingParams(cache_salt=salt))
+        num = admit(kv, request)
+        kv.free(request)
+        return num
+
+    kv = KVCacheManager(num_blocks=32, block_size=BS)
+    assert cached(kv, "a", None) == 0
+    assert cached(kv, "b", "tenant-1") == 0  # a prefix unsalted requests cached: not its
+    assert cached(kv, "c", "tenant-1") == 12  # its own
+    assert cached(kv, "d", "tenant-2") == 0
+    assert cached(kv, "e", None) == 12  # the unsalted entries stay
+    kv.check_integrity()
+
+    monkeypatch.setattr("lantau.kv_cache.manager.hash_block", lambda parent, t: 0)
+    kv = KVCacheManager(num_blocks=32, block_size=BS)
+    assert cached(kv, "a", "tenant-1") == 0  # its first block holds the one hash
+    assert [cached(kv, r, s) for r, s in (("b", None), ("c", "tenant-2"))] == [0, 0]
+    assert cached(kv, "d", "tenant-1") == 4  # the salt's own block (the next ones collide)
+    kv.check_integrity()
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        SamplingParams(cache_salt="")

@@ -764,3 +764,25 @@ def test_a_request_whose_first_output_is_its_last_ends_with_its_response():
 
     assert [o.finished for o in asyncio.run(run(1))] == [True]
     assert [o.finished for o in asyncio.run(run(3))] == [False, False, True]
+
+
+def test_cache_salt_keeps_tenants_prefixes_apart(client):
+    """vLLM's cache_salt: a conversation's cached prefix serves the same salt's next request
+    and no other's (nor an unsalted one's); a salt that is not a non-empty string is a 400."""
+    story = "Parcel 4471 left the Shenzhen depot on Monday and clears customs in Rotterdam. " * 3
+    messages = [{"role": "user", "content": story + "Where is it now?"}]
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=1, extra_body=extra
+        )
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    first = cached("tenant-a")
+    assert cached("tenant-a") > first
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0 and cached(None) > 0  # unsalted: its own entries only
+    with pytest.raises(openai.BadRequestError) as e:
+        cached("")
+    assert e.value.body["param"] == "cache_salt"

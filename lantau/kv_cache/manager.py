@@ -42,14 +42,21 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
-        """Hashes of the first `num_full_blocks` blocks of the request's tokens."""
+        """Hashes of the first `num_full_blocks` blocks of the request's tokens (a salted
+        request's chain starts from its salt)."""
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
-        bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else _root(request)
+            hashes.append(hash_block(parent, self._block_tokens(request, i)))
         return hashes[:num_full_blocks]
+
+    def _block_tokens(self, request: Request, i: int) -> tuple:
+        """Block i's tokens as its cache entry is checked (the salt with the first block's, so
+        a hash collision across salts cannot be taken for a hit)."""
+        tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+        salt = request.sampling_params.cache_salt
+        return (salt, *tokens) if i == 0 and salt is not None else tokens
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest cached prefix of full blocks, and its token count.
@@ -63,7 +70,7 @@ class KVCacheManager:
         hits: list[Block] = []
         bs = self.block_size
         for i, block_hash in enumerate(self._block_hashes(request, max_blocks)):
-            block = self.pool.lookup(block_hash, request.all_token_ids[i * bs : (i + 1) * bs])
+            block = self.pool.lookup(block_hash, self._block_tokens(request, i))
             if block is None:
                 break
             hits.append(block)
@@ -115,9 +122,8 @@ class KVCacheManager:
             return
         blocks = self.req_to_blocks[request.request_id]
         hashes = self._block_hashes(request, num_full)
-        bs = self.block_size
         for i in range(start, num_full):
-            self.pool.cache(blocks[i], hashes[i], request.all_token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache(blocks[i], hashes[i], self._block_tokens(request, i))
         self.req_to_num_hashed[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -142,3 +148,9 @@ class KVCacheManager:
                 f"block {block.block_id}: ref_count {block.ref_count}, "
                 f"held by {expected[block.block_id]} tables"
             )
+
+
+def _root(request: Request) -> int | None:
+    """Where a request's chain of block hashes starts: its cache salt's, or none."""
+    salt = request.sampling_params.cache_salt
+    return None if salt is None else hash(("cache_salt", salt))

@@ -125,6 +125,7 @@ INPUT_SPECS = {
         InputSpec("bad_words", "BYTES", list),
         # TRT-LLM's flag; absent here means True (text_output is the generated text only)
         InputSpec("exclude_input_in_output", "BOOL", bool),
+        InputSpec("cache_salt", "BYTES", str, "cache_salt"),  # vLLM's: a tenant's prefixes
     )
 }
 

@@ -268,6 +268,7 @@ def _sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=body.logit_bias,
+        cache_salt=body.cache_salt,
     )
 
 

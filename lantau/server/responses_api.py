@@ -182,6 +182,7 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
         top_p=body.top_p,
         stream=body.stream,
         timeout=body.timeout,
+        cache_salt=body.cache_salt,
         response_format=response_format,
         messages=conversation_of(body),
         tools=tools,

@@ -129,6 +129,7 @@ class OpenAIRequest(Struct):
     # token id (a JSON object's keys are strings: "50256") -> bias; the range is checked by
     # SamplingParams, the vocabulary by the engine
     logit_bias: dict[TokenId, float] | None = None
+    cache_salt: str | None = None  # vLLM's: prefixes shared only within the same salt
     response_format: ResponseFormat | None = None
     # vLLM's: {"json": schema} | {"json_object": true} | {"regex": ...} | {"choice": [...]} |
     # {"grammar": lark}; and its older guided_* fields, one each
@@ -253,6 +254,7 @@ class ResponsesRequest(Struct):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # the prefix cache is automatic
+    cache_salt: str | None = None  # vLLM's: prefixes shared only within the same salt
     timeout: Seconds | None = None
     # refused when set (responses_api.REFUSED)
     previous_response_id: str | None = None
