@@ -289,7 +289,8 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         grpc_port=args.grpc_port,
-        served_model_name=args.served_model_name or args.model or "SmolLM2-135M-Instruct",
+        served_model_name=(args.served_model_name or [args.model or "SmolLM2-135M-Instruct"])[0],
+        served_model_aliases=tuple((args.served_model_name or [])[1:]),
         api_keys=tuple(args.api_key or ()),
         max_pending_requests=args.max_pending_requests,
         max_pending_tokens=args.max_pending_tokens,
@@ -592,7 +593,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001, help="0: no gRPC server")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the name(s) requests use for the model (the first is the one answers name)",
+    )
     p.add_argument(
         "--model-repository", default=None, help="a Triton-style repository: REPO/NAME/VERSION"
     )

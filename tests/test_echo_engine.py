@@ -90,3 +90,25 @@ def test_empty_prompt_is_refused(served, client):
     with pytest.raises(InvalidRequestError):
         served[0].tokenize("")
     assert len(served[0].tokenize("three words here")[1]) == 3
+
+
+def test_served_model_aliases():
+    """`--served-model-name NAME ALIAS...` (vLLM's): requests may name any (an app written
+    for another provider's model name keeps working), /v1/models lists all, answers name the
+    first; another name is a 404."""
+    from fastapi.testclient import TestClient
+
+    from lantau.cli import make_parser
+
+    args = make_parser().parse_args(["serve", "--served-model-name", "support-llama", "gpt-4o"])
+    assert args.served_model_name == ["support-llama", "gpt-4o"]
+    config = ServerConfig(grpc_port=0, served_model_name="support-llama",
+                          served_model_aliases=("gpt-4o",))  # fmt: skip
+    client = TestClient(build_app(EchoEngine(), config))
+    listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert listed == ["support-llama", "gpt-4o"]
+    body = {"prompt": "hi", "max_tokens": 2}
+    r = client.post("/v1/completions", json={**body, "model": "gpt-4o"})
+    assert r.status_code == 200 and r.json()["model"] == "support-llama"
+    assert client.post("/v1/completions", json={**body, "model": "gpt-5"}).status_code == 404
+    assert client.get("/v2/models/gpt-4o/ready").status_code == 200

@@ -47,6 +47,7 @@ class ServerConfig:
     port: int = 8000
     grpc_port: int = 8001  # 0: no gRPC server
     served_model_name: str = "lantau"
+    served_model_aliases: tuple[str, ...] = ()  # more names requests may use for it
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 << 20
     ready_max_silence_s: float = 5.0  # readiness needs a core report this recent
@@ -148,6 +149,7 @@ def build_app(
             engine,
             config.served_model_name,
             lambda: not state.draining and engine.is_ready(config.ready_max_silence_s),
+            config.served_model_aliases,
         )
     app.state.router = router
 

@@ -102,16 +102,24 @@ class SingleModel(ServedModel):
 
 
 class SingleModelRouter(ModelRouter):
-    """`lantau serve MODEL`: one engine under one name."""
+    """`lantau serve MODEL`: one engine under one name, and any aliases (`--served-model-name
+    NAME ALIAS...`: requests may name any; answers name the first)."""
 
-    def __init__(self, engine: AsyncLLM, name: str, is_ready: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        name: str,
+        is_ready: Callable[[], bool],
+        aliases: tuple[str, ...] = (),
+    ) -> None:
         self.model = SingleModel(engine, name, is_ready)
+        self.aliases = tuple(a for a in aliases if a != name)
 
     def get(self, name: str | None) -> ServedModel | None:
-        return self.model if name in (None, self.model.name) else None
+        return self.model if name is None or name in self.names() else None
 
     def names(self) -> list[str]:
-        return [self.model.name]
+        return [self.model.name, *self.aliases]
 
     def engines(self) -> list[AsyncLLM]:
         return [self.model.engine]
