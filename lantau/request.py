@@ -72,6 +72,9 @@ class SamplingParams:
     # vLLM's: requests share cached prefixes only with requests of the same salt (a tenant's
     # own), so one cannot learn from its timing what another's prompts began with
     cache_salt: str | None = None
+    # the grammar holds only once the output ends with these tokens (a reasoning model's end
+    # of thinking: the routes set it with --reasoning-parser)
+    grammar_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +84,7 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "grammar_after", tuple(self.grammar_after or ()))
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise InvalidRequestError("logit_bias", "must be a map of token ids to numbers")
         object.__setattr__(self, "logit_bias", dict(self.logit_bias or {}) or None)
@@ -156,6 +160,11 @@ class SamplingParams:
                 ),
                 f"must map token ids (integers >= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, "
                 f"{MAX_LOGIT_BIAS:g}]",
+            ),
+            (
+                "grammar_after",
+                all(_is_int(t, 0) for t in self.grammar_after),
+                "must be non-negative integers",
             ),
             (
                 "cache_salt",

@@ -101,6 +101,9 @@ class Grammars:
         self._tokenizer_json, self.vocab_size, self.eos = tokenizer_json, vocab_size, eos
         self._tokenizer = None
         self.matchers: dict[str, Any] = {}
+        # requests whose grammar starts once their output ends with a token sequence (a
+        # reasoning model's end of thinking): that sequence and the output's latest tokens
+        self.waiting: dict[str, tuple[tuple[int, ...], list[int]]] = {}
 
     def prepare(self) -> None:
         """Make the tokenizer now if not yet (a constrained request arrived):
@@ -120,19 +123,41 @@ class Grammars:
             )
         return self._tokenizer
 
-    def add(self, request_id: str, spec: dict, done: list[int]) -> None:
+    def add(
+        self, request_id: str, spec: dict, done: list[int], after: tuple[int, ...] = ()
+    ) -> None:
         """A matcher for the request, past the output tokens it has already (a resumed
-        request's)."""
+        request's); with `after`, the grammar holds only once the output has ended with those
+        tokens (until then the request samples freely)."""
         llg = _llguidance()
         matcher = llg.LLMatcher(self._llg_tokenizer(), grammar_of(spec), log_level=0)
+        self.matchers[request_id] = matcher
+        if after:
+            start = _past(done, after)
+            if start is None:
+                self.waiting[request_id] = (tuple(after), list(done[-len(after) :]))
+                return
+            done = done[start:]
         if done:
             matcher.consume_tokens(done)
-        self.matchers[request_id] = matcher
+
+    def constrains(self, request_id: str) -> bool:
+        """Whether the request's next token is held to its grammar now."""
+        return request_id in self.matchers and request_id not in self.waiting
 
     def drop(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self.waiting.pop(request_id, None)
 
     def consume(self, request_id: str, token_id: int) -> None:
+        waiting = self.waiting.get(request_id)
+        if waiting is not None:
+            after, latest = waiting
+            latest.append(token_id)
+            del latest[: -len(after)]
+            if tuple(latest) == after:  # the grammar holds from the next token on
+                del self.waiting[request_id]
+            return
         matcher = self.matchers.get(request_id)
         if matcher is not None:
             matcher.consume_token(token_id)
@@ -154,6 +179,15 @@ class Grammars:
                 continue
             matcher.unsafe_compute_mask_ptr(masks[row].data_ptr(), words * 4)  # its row's words
         return masks
+
+
+def _past(tokens: list[int], seq: tuple[int, ...]) -> int | None:
+    """The index just past the first occurrence of `seq` in `tokens`, or None."""
+    n = len(seq)
+    for i in range(len(tokens) - n + 1):
+        if tuple(tokens[i : i + n]) == seq:
+            return i + n
+    return None
 
 
 def tokenizer_json(tokenizer) -> str:

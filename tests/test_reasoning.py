@@ -41,13 +41,28 @@ def test_split_whole_and_half_written():
         reasoning_parser("r2")
 
 
+class Recording(ScriptedChat):
+    """ScriptedChat keeping each request's SamplingParams (what the engine core would get)."""
+
+    def __init__(self) -> None:
+        super().__init__(SCRIPT)
+        self.params = []
+
+    async def generate(self, request_id, prompt, params, priority=0):
+        self.params.append(params)
+        async for output in super().generate(request_id, prompt, params, priority):
+            yield output
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["parser", "no-parser"])
 def served(request):
-    engine = ScriptedChat(SCRIPT)
+    engine = Recording()
     config = ServerConfig(grpc_port=0, tool_call_parser="hermes",
                           reasoning_parser="deepseek_r1" if request.param else None)  # fmt: skip
     with app_server(build_app(engine, config)) as base:
-        yield request.param, openai.OpenAI(base_url=f"{base}/v1", api_key="x")
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x")
+        client._lantau_engine = engine
+        yield request.param, client
 
 
 def ask(client, content: str, **kwargs):
@@ -144,18 +159,93 @@ def test_responses_reasoning_item(served):
     assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
 
 
-def test_grammars_refused_beside_a_reasoning_parser(served):
-    """A response format or a forced call would hold the thinking to the grammar: refused by
-    name with the parser on, served without it."""
+def test_grammars_held_after_the_thinking(served):
+    """A response format or a forced call beside deepseek_r1: the grammar goes to the engine
+    to hold from the end of thinking on (its tokens: `grammar_after`); without the parser,
+    from the first token."""
     parsed, client = served
+    engine = client._lantau_engine
+    end = tuple(engine.tokenizer.encode("</think>", add_special_tokens=False))
     asks = [
-        ("response_format", dict(response_format={"type": "json_object"})),
-        ("tool_choice", dict(tools=TOOLS, tool_choice="required")),
+        (dict(response_format={"type": "json_object"}), {"json_object": True}),
+        (dict(tools=TOOLS, tool_choice="required"), None),
     ]
-    for field, extra in asks:
-        if parsed:
-            with pytest.raises(openai.BadRequestError) as e:
-                ask(client, "when?", **extra)
-            assert e.value.body["param"] == field and "reasoning-parser" in e.value.body["message"]
-        else:
-            assert ask(client, "when?", **extra).choices[0].finish_reason in ("stop", "tool_calls")
+    for extra, spec in asks:
+        ask(client, "when?", **extra)
+        params = engine.params[-1]
+        assert params.structured_outputs is not None
+        if spec is not None:
+            assert params.structured_outputs == spec
+        assert params.grammar_after == (end if parsed else ())
+
+
+def test_optional_thinking_refuses_grammars():
+    """qwen3's thinking may be switched off, so where a grammar would start is not known: a
+    400 naming the field."""
+    from types import SimpleNamespace
+
+    from lantau.errors import InvalidRequestError
+    from lantau.request import SamplingParams
+    from lantau.server.openai_api import OpenAIServer, parse_request
+    from lantau.server.schemas import RequestLimits
+
+    server = OpenAIServer(None, 1 << 20, RequestLimits(), None, reasoning_parser("qwen3"))
+    body = parse_request(
+        json.dumps({"messages": [{"role": "user", "content": "x"}],
+                    "response_format": {"type": "json_object"}}).encode(),
+        chat=True, limits=RequestLimits(),
+    )  # fmt: skip
+    engine = SimpleNamespace(tokenizer=ScriptedChat().tokenizer)
+    params = SamplingParams(structured_outputs={"json_object": True})
+    with pytest.raises(InvalidRequestError, match="response_format: not served with"):
+        server.after_thinking(body, engine, params, forced=False)
+
+
+def test_grammar_waits_for_its_tokens():
+    """The engine core's matcher: unconstrained until the output ends with the `after`
+    tokens (split across steps, after a false start), held from the next token on; a resumed
+    request picks up where its tokens say."""
+    from lantau.model.source import load_tokenizer, resolve_model_source
+    from lantau.structured import Grammars, tokenizer_json
+
+    tokenizer = load_tokenizer(resolve_model_source("random:tiny"))
+    grammars = Grammars(lambda: tokenizer_json(tokenizer), len(tokenizer), [0])
+    grammars.add("r", {"json_object": True}, [], after=(5, 6))
+    for token in (5, 7, 5):
+        grammars.consume("r", token)
+        assert not grammars.constrains("r")
+    grammars.consume("r", 6)
+    assert grammars.constrains("r")
+    grammars.add("resumed", {"json_object": True}, [9, 5, 6], after=(5, 6))
+    grammars.add("still", {"json_object": True}, [9, 5], after=(5, 6))
+    assert grammars.constrains("resumed") and not grammars.constrains("still")
+    grammars.consume("still", 6)
+    assert grammars.constrains("still")
+    mask = grammars.masks(["r"])[0]
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    allowed = [(int(mask[t // 32]) >> (t % 32)) & 1 for t in (brace, letter)]
+    assert allowed == [1, 0]  # a JSON object opens with a brace
+    grammars.drop("r")
+    assert "r" not in grammars.matchers and "r" not in grammars.waiting
+
+
+def test_engine_samples_freely_until_the_thinking_ends():
+    """Offline on random:tiny: a token forced by a logit bias plays the end of thinking; the
+    grammar holds only after it, and the rest is the schema's JSON."""
+    from lantau import LLM, SamplingParams
+
+    llm = LLM("random:tiny", device="cpu", num_kv_blocks=64, max_model_len=256)
+    end = llm.tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=30, logit_bias={end: 100},
+                            structured_outputs={"json": schema}, grammar_after=(end,))  # fmt: skip
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0]
+    assert out.token_ids[0] == end  # free: the bias won
+    answer = llm.tokenizer.decode(out.token_ids[1:], skip_special_tokens=True)
+    assert json.loads(answer) in ({"ok": True}, {"ok": False}) and out.finish_reason == "stop"
+    at_once = SamplingParams(temperature=0, max_tokens=30, logit_bias={end: 100},
+                             structured_outputs={"json": schema})  # fmt: skip
+    held = llm.generate({"prompt_token_ids": [5, 6, 7]}, at_once)[0].outputs[0]
+    assert held.token_ids[0] != end and json.loads(held.text) in ({"ok": True}, {"ok": False})

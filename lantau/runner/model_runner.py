@@ -286,6 +286,7 @@ class ModelRunner:
                     new.request_id,
                     new.sampling_params.structured_outputs,
                     new.token_ids[new.num_prompt_tokens :],
+                    new.sampling_params.grammar_after,
                 )
             seed = new.sampling_params.seed
             if seed is not None and new.request_id not in self.generators:
@@ -507,7 +508,7 @@ class ModelRunner:
                 )
             )
         if self.grammars is not None and self.grammars.matchers:
-            constrained = [i for i, r in enumerate(step.sample_ids) if r in self.grammars.matchers]
+            constrained = [i for i, r in enumerate(step.sample_ids) if self.grammars.constrains(r)]
             if constrained:  # each one's tokens allowed next, after every earlier token
                 masks = self.grammars.masks([step.sample_ids[i] for i in constrained])
                 for row, i in enumerate(constrained):

@@ -390,24 +390,30 @@ class OpenAIServer:
         grammar of a call its tool_choice forces."""
         conversation = self.chat_prompt(body, engine.tokenizer)
         tools = self.tools_of(body)
-        if params.structured_outputs is not None and self.reasoning_parser is not None:
-            raise InvalidRequestError(
-                structured_spec(body)[1],
-                "not served with --reasoning-parser: the grammar would forbid the thinking",
-            )
         if (forced := self.forced_call(body, tools)) is not None:
             if params.structured_outputs is not None:
                 raise InvalidRequestError(
                     "tool_choice", "a forced call cannot go with a response format"
                 )
-            if self.reasoning_parser is not None:
-                raise InvalidRequestError(
-                    "tool_choice",
-                    "a forced call is not served with --reasoning-parser: its grammar would "
-                    "forbid the thinking",
-                )
             params = dataclasses.replace(params, structured_outputs=forced)
+        if params.structured_outputs is not None and self.reasoning_parser is not None:
+            params = self.after_thinking(body, engine, params, forced is not None)
         return conversation, tools, params
+
+    def after_thinking(
+        self, body: ChatRequest, engine: AsyncLLM, params: SamplingParams, forced: bool
+    ) -> SamplingParams:
+        """A reasoning model's grammar held from the end of its thinking on (the engine core
+        waits for the end tag's tokens); InvalidRequestError where its thinking is optional."""
+        parser = self.reasoning_parser
+        field = "tool_choice" if forced else structured_spec(body)[1]
+        if not parser.grammar_after_thinking or engine.tokenizer is None:
+            raise InvalidRequestError(
+                field, f"not served with --reasoning-parser {parser.name}: its thinking may be "
+                "switched off, so where the grammar starts is not known",
+            )  # fmt: skip
+        end = engine.tokenizer.encode(parser.end, add_special_tokens=False)
+        return dataclasses.replace(params, grammar_after=tuple(end))
 
     def forced_call(self, body: ChatRequest, tools: list[dict] | None) -> dict | None:
         """The grammar of the call `tool_choice` forces ("required": any tool; a named

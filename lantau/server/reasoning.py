@@ -9,7 +9,9 @@ Responses API as a `reasoning` output item.
 - `qwen3`: `<think>...</think>` only where the model opened it; an answer without one is
   all content (thinking switched off).
 
-Tool calls and stop strings are read from the answer only.
+Tool calls and stop strings are read from the answer only. With `deepseek_r1`, a grammar
+(structured outputs, a forced tool call) holds from the end of the thinking on (the engine
+core's matcher waits for the `</think>` tokens: `SamplingParams.grammar_after`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class ReasoningParser:
     start = "<think>"
     end = "</think>"
     implicit_start = True  # the text may begin inside the thinking, without `start`
+    # a grammar (structured outputs, a forced call) holds from the end of thinking on: for
+    # models that always think (not those whose thinking may be switched off)
+    grammar_after_thinking = True
 
     def __init_subclass__(cls) -> None:
         PARSERS[cls.name] = cls
@@ -71,6 +76,7 @@ class DeepSeekR1(ReasoningParser):
 class Qwen3(ReasoningParser):
     name = "qwen3"
     implicit_start = False
+    grammar_after_thinking = False
 
 
 def reasoning_parser(name: str | None) -> ReasoningParser | None:
