@@ -34,6 +34,8 @@ def test_split_whole_and_half_written():
     assert r1.split("<think>a b</th", final=True) == Split("a b</th", None)
     assert r1.split("<think></think>") == Split("", "")
     assert r1.split("<thi", final=False) == Split("", None)  # may yet open the thinking
+    assert r1.split("\n", final=False) == Split("", None)  # blanks before it too
+    assert r1.split("\n<think>a", final=False) == Split("a", None)
     assert qwen3.split("plain answer") == Split(None, "plain answer")  # thinking off
     assert qwen3.split("<think>x</think>y") == Split("x", "y")
     assert qwen3.split("<thi", final=False) == Split(None, None)  # may open thinking yet
@@ -249,3 +251,31 @@ def test_engine_samples_freely_until_the_thinking_ends():
                              structured_outputs={"json": schema})  # fmt: skip
     held = llm.generate({"prompt_token_ids": [5, 6, 7]}, at_once)[0].outputs[0]
     assert held.token_ids[0] != end and json.loads(held.text) in ({"ok": True}, {"ok": False})
+
+
+def test_streamed_split_adds_up_to_the_whole():
+    """Whatever the text and wherever the chunks end, the thinking and the answer as a stream
+    sees them (each prefix split with final=False, what was said never taken back) add up to
+    the whole text's split: the property the chat stream's deltas rest on."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    pieces = st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "a", " b", "\n"])
+    texts = st.lists(pieces, max_size=12).map("".join)
+
+    @settings(max_examples=1000, deadline=None)
+    @given(text=texts, cuts=st.lists(st.integers(0, 60), max_size=6), name=st.sampled_from(
+        ["deepseek_r1", "qwen3"]))  # fmt: skip
+    def check(text: str, cuts: list[int], name: str) -> None:
+        parser = reasoning_parser(name)
+        said_reasoning, said_content = "", ""
+        for cut in sorted({c for c in cuts if c < len(text)}):
+            split = parser.split(text[:cut], final=False)
+            reasoning, content = split.reasoning or "", split.content or ""
+            assert reasoning.startswith(said_reasoning) and content.startswith(said_content)
+            said_reasoning, said_content = reasoning, content
+        whole = parser.split(text)
+        assert (whole.reasoning or "").startswith(said_reasoning)
+        assert (whole.content or "").startswith(said_content)
+
+    check()

@@ -46,8 +46,9 @@ class ReasoningParser:
         the end tag stays out of the thinking until the next tokens say."""
         body = text
         stripped = text.lstrip()
-        # NOTE: a text that may yet be the opening tag says nothing until it is whole
-        if not final and stripped and stripped != self.start and self.start.startswith(stripped):
+        # NOTE: a text that may yet be the opening tag (blanks before it too) says nothing
+        # until it is whole
+        if not final and stripped != self.start and self.start.startswith(stripped):
             return Split("" if self.implicit_start else None, None)
         if stripped.startswith(self.start):
             body = stripped[len(self.start) :]
