@@ -65,7 +65,10 @@ def test_lint():
     assert done.returncode == 0 and "0 chart(s) failed" in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("flags", [(), tuple(VARIANT)], ids=["defaults", "variant"])
+TLS = ("--set", "tls.secretName=lantau-tls")
+
+
+@pytest.mark.parametrize("flags", [(), tuple(VARIANT), TLS], ids=["defaults", "variant", "tls"])
 def test_valid_against_the_kubernetes_schemas(flags):
     docs = render(*flags)
     assert len(docs) >= 4
@@ -140,3 +143,31 @@ def test_grace_periods_outlast_the_drains():
         assert pod["terminationGracePeriodSeconds"] > parsed_args(docs, name).drain_timeout + 5
     rollout = named(docs, "Deployment", "lantau-replica")["spec"]["strategy"]
     assert rollout["rollingUpdate"]["maxUnavailable"] == 0  # a new replica is up first
+
+
+def test_tls_from_a_secret():
+    """tls.secretName: every pod mounts the Secret; the replicas and the gateways serve TLS
+    with its tls.key / tls.crt (lantau's own flags, parsed), the gateways reach the replicas
+    over TLS against its ca.crt, the probes and the scrape annotations say https; without it
+    none of that."""
+    docs = render(*TLS)
+    serve, route = parsed_args(docs, "lantau-replica"), parsed_args(docs, "lantau-gateway")
+    for args in (serve, route):
+        assert args.ssl_keyfile == "/etc/lantau/tls/tls.key"
+        assert args.ssl_certfile == "/etc/lantau/tls/tls.crt"
+    assert route.backend_tls and route.backend_ca_certs == "/etc/lantau/tls/ca.crt"
+    for name in ("lantau-replica", "lantau-gateway"):
+        pod = named(docs, "Deployment", name)["spec"]["template"]
+        c = container(docs, name)
+        assert {"name": "tls", "mountPath": "/etc/lantau/tls", "readOnly": True} in c[
+            "volumeMounts"
+        ]
+        assert {"name": "tls", "secret": {"secretName": "lantau-tls"}} in pod["spec"]["volumes"]
+        checks = [c[p]["httpGet"] for p in ("startupProbe", "readinessProbe", "livenessProbe")
+                  if "httpGet" in c.get(p, {})]  # fmt: skip
+        assert checks and all(check["scheme"] == "HTTPS" for check in checks)
+        assert pod["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+    plain = render()
+    assert parsed_args(plain, "lantau-replica").ssl_certfile is None
+    assert not parsed_args(plain, "lantau-gateway").backend_tls
+    assert container(plain, "lantau-replica")["readinessProbe"]["httpGet"]["scheme"] == "HTTP"

@@ -22,5 +22,13 @@ annotations:
   prometheus.io/scrape: "true"
   prometheus.io/port: {{ .port | quote }}
   prometheus.io/path: /metrics
+  {{- if .root.Values.tls.secretName }}
+  prometheus.io/scheme: https
+  {{- end }}
 {{- end }}
 {{- end -}}
+
+{{- /* HTTPS probes where the pods serve TLS */}}
+{{- define "lantau.probeScheme" -}}
+{{- if .Values.tls.secretName }}HTTPS{{ else }}HTTP{{ end }}
+{{- end }}
