@@ -260,3 +260,19 @@ def test_fuzz_any_body_is_an_answer_or_a_named_4xx(server):
     assert 200 in answered and len(set(answered)) > 1
     ok = client.post(f"{server}/v1/responses", json={"input": "still here", "max_output_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 2
+
+
+def test_official_client_parse_with_a_pydantic_model(client):
+    """The client's `responses.parse(text_format=Model)`: its strict JSON schema holds the
+    answer, and the client reads it back as the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Reply(BaseModel):
+        answer: Literal["yes", "no"]
+        n: int = Field(ge=0, le=9)
+
+    r = client.responses.parse(model=MODEL, input="Is it raining?", text_format=Reply,
+                               max_output_tokens=40, temperature=0)  # fmt: skip
+    assert isinstance(r.output_parsed, Reply) and r.status == "completed"
