@@ -787,3 +787,22 @@ def test_cache_salt_keeps_tenants_prefixes_apart(client):
     with pytest.raises(openai.BadRequestError) as e:
         cached("")
     assert e.value.body["param"] == "cache_salt"
+
+
+def test_official_client_parse_with_a_pydantic_model(client):
+    """`chat.completions.parse(response_format=Model)`: the strict schema pydantic writes
+    holds the answer; the client reads it back as the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Delivery(BaseModel):
+        status: Literal["in_transit", "delivered", "delayed"]
+        days_left: int = Field(ge=0, le=30)
+
+    reply = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Where is parcel 4471?"}],
+        response_format=Delivery, max_tokens=40, temperature=0,
+    )  # fmt: skip
+    parsed = reply.choices[0].message.parsed
+    assert isinstance(parsed, Delivery) and reply.choices[0].finish_reason == "stop"
