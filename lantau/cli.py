@@ -511,6 +511,13 @@ def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
         "--ignore-eos", action=argparse.BooleanOptionalAction, help="default: on but for ShareGPT"
     )
     p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--ssl-ca-certs",
+        metavar="PEM",
+        help="an https:// server's certificate checked against these CAs",
+    )
+    p.add_argument("--insecure", action="store_true",
+                   help="an https:// server's certificate not checked")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request")
     p.add_argument("--vocab-size", type=int, default=32000, help="random ids are drawn below it")
     p.add_argument(

@@ -5,6 +5,7 @@ TLS); files that do not load stop the start, named."""
 
 from __future__ import annotations
 
+import json
 import ssl
 import subprocess
 import sys
@@ -186,3 +187,17 @@ def test_gateway_refuses_tls_files_that_do_not_load(pki):
              *flags], capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_bench_serve_against_an_https_server(tls_server, pki, tmp_path):
+    """`lantau bench serve --url https://...` with the server's CA (or --insecure) runs; with
+    neither, the certificate is refused at its first request."""
+    from lantau.cli import main
+
+    flags = ["bench", "serve", "--url", tls_server.base, "--workload", "random:8/4",
+             "--num-requests", "4", "--vocab-size", "500", "--disable-tqdm"]  # fmt: skip
+    assert main([*flags, "--ssl-ca-certs", pki["ca"], "--out", str(tmp_path / "a")]) == 0
+    result = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert result["summary"]["num_completed"] == 4
+    assert main([*flags, "--insecure"]) == 0
+    assert main(flags) != 0

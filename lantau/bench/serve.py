@@ -65,6 +65,10 @@ class ServeConfig:
     # the requests, chosen by the seed (vLLM's --structured-output-ratio)
     json_schema: dict | None = None
     structured_output_ratio: float = 1.0
+    # an https:// server: the CAs its certificate is checked against (None: the system's), or
+    # no check at all (insecure: a test server's own certificate)
+    ssl_ca_certs: str | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.structured_output_ratio <= 1.0:
@@ -433,7 +437,8 @@ async def run_serve_async(
     headers = {"Content-Type": "application/json"}
     if config.api_key:
         headers["Authorization"] = f"Bearer {config.api_key}"
-    connector = aiohttp.TCPConnector(limit=0)  # no pool cap: the run sets concurrency
+    # no pool cap: the run sets concurrency
+    connector = aiohttp.TCPConnector(limit=0, ssl=_tls(config))
     timeout = aiohttp.ClientTimeout(total=None, connect=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = config.model or await _served_model(session, base, headers)
@@ -553,7 +558,20 @@ def config_from_args(args) -> ServeConfig:
         step_log=args.step_log,
         json_schema=_json_schema(args.json_schema),
         structured_output_ratio=args.structured_output_ratio,
+        ssl_ca_certs=args.ssl_ca_certs,
+        insecure=args.insecure,
     )
+
+
+def _tls(config: ServeConfig):
+    """aiohttp's `ssl` for an https:// server: the default checks, a CA file's, or none."""
+    if config.insecure:
+        return False
+    if config.ssl_ca_certs is None:
+        return True
+    import ssl
+
+    return ssl.create_default_context(cafile=config.ssl_ca_certs)
 
 
 def _json_schema(path: str | None) -> dict | None:
