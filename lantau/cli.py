@@ -440,8 +440,13 @@ def rollback(args: argparse.Namespace) -> int:
         headers={"content-type": "application/json",
                  **({"x-api-key": args.api_key} if args.api_key else {})},
     )  # fmt: skip
+    context = None
+    if args.ssl_ca_certs is not None:  # an https:// server's private CA
+        import ssl
+
+        context = ssl.create_default_context(cafile=args.ssl_ca_certs)
     try:
-        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+        with urllib.request.urlopen(request, timeout=args.timeout, context=context) as response:
             served = json.loads(response.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")
@@ -684,6 +689,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", default=None, help="the version (default: the one served before)")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--ssl-ca-certs", metavar="PEM", help="an https:// server's CA")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds")
     p.set_defaults(func=rollback)
 

@@ -201,3 +201,17 @@ def test_bench_serve_against_an_https_server(tls_server, pki, tmp_path):
     assert result["summary"]["num_completed"] == 4
     assert main([*flags, "--insecure"]) == 0
     assert main(flags) != 0
+
+
+def test_rollback_reaches_an_https_server(tls_server, pki, capsys):
+    """`lantau rollback --url https://... --ssl-ca-certs CA` gets through TLS to the server's
+    answer (here: no repository to roll back); without the CA the certificate is refused."""
+    from lantau.cli import main
+
+    flags = ["rollback", "llama", "--url", tls_server.base, "--timeout", "10"]
+    assert main([*flags, "--ssl-ca-certs", pki["ca"]]) == 1
+    answered = capsys.readouterr().err
+    assert main(flags) == 1
+    refused = capsys.readouterr().err
+    assert "CERTIFICATE_VERIFY_FAILED" not in answered and "lantau rollback: 4" in answered
+    assert "CERTIFICATE_VERIFY_FAILED" in refused
