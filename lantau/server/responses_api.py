@@ -62,7 +62,7 @@ REFUSED = {
     "background": "background responses are not served",
     "prompt": "stored prompts are not served",
     "include": "no extra output data is served",
-    "reasoning": "the served models do not reason",
+    "reasoning": "no reasoning effort or summary is served (a reasoning model thinks as it does)",
     "top_logprobs": "not served on this route (use /v1/chat/completions)",
     "max_tool_calls": "only function tools are served, which the client runs",
 }
