@@ -17,6 +17,7 @@ tokenizer.json; about a second for a 128k vocabulary), from the model's own toke
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -118,9 +119,12 @@ class Grammars:
     def _llg_tokenizer(self):
         if self._tokenizer is None:
             llg = _llguidance()
-            self._tokenizer = llg.LLTokenizer(
-                self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self.eos
-            )
+            text = self._tokenizer_json()
+            # NOTE: a random model's end token may lie past the tokenizer it borrows (a
+            # 128,256-token Llama 3 shape on SmolLM2's 49,152): the tokenizer's own ends then
+            size = _tokenizer_size(text)
+            eos = [e for e in self.eos if e < size] or _tokenizer_eos(text)
+            self._tokenizer = llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
         return self._tokenizer
 
     def add(
@@ -179,6 +183,21 @@ class Grammars:
                 continue
             matcher.unsafe_compute_mask_ptr(masks[row].data_ptr(), words * 4)  # its row's words
         return masks
+
+
+def _tokenizer_size(tokenizer_json: str) -> int:
+    """How many ids a tokenizer.json names: its vocabulary's and its added tokens'."""
+    data = json.loads(tokenizer_json)
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    added = [t["id"] for t in data.get("added_tokens") or () if isinstance(t.get("id"), int)]
+    return max([len(vocab), *(i + 1 for i in added)])
+
+
+def _tokenizer_eos(tokenizer_json: str) -> list[int]:
+    """A tokenizer.json's own end-of-text tokens (special added tokens named so)."""
+    data = json.loads(tokenizer_json)
+    names = ("<|endoftext|>", "<|im_end|>", "</s>", "<|end_of_text|>", "<|eot_id|>")
+    return [t["id"] for t in data.get("added_tokens") or () if t.get("content") in names][:2]
 
 
 def _past(tokens: list[int], seq: tuple[int, ...]) -> int | None:

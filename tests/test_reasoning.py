@@ -279,3 +279,19 @@ def test_streamed_split_adds_up_to_the_whole():
         assert (whole.content or "").startswith(said_content)
 
     check()
+
+
+def test_grammars_on_a_model_larger_than_its_borrowed_tokenizer():
+    """A random Llama 3 shape (128,256 ids, end token 128001) borrowing SmolLM2's 49,152-token
+    tokenizer: the matcher takes the tokenizer's own end token instead of refusing (found on
+    an H100: gpu_features.py's structured outputs on random:llama3.2-1b)."""
+    from lantau.model.source import load_tokenizer, resolve_model_source
+    from lantau.structured import Grammars, tokenizer_json
+
+    tokenizer = load_tokenizer(resolve_model_source("random:tiny"))
+    grammars = Grammars(lambda: tokenizer_json(tokenizer), 128256, [128001])
+    grammars.prepare()
+    grammars.add("r", {"json_object": True}, [])
+    mask = grammars.masks(["r"])[0]
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    assert mask.shape == ((128256 + 31) // 32,) and (int(mask[brace // 32]) >> (brace % 32)) & 1
