@@ -122,8 +122,8 @@ class Grammars:
             text = self._tokenizer_json()
             # NOTE: a random model's end token may lie past the tokenizer it borrows (a
             # 128,256-token Llama 3 shape on SmolLM2's 49,152): the tokenizer's own ends then
-            size = _tokenizer_size(text)
-            eos = [e for e in self.eos if e < size] or _tokenizer_eos(text)
+            data = json.loads(text)
+            eos = [e for e in self.eos if e < _tokenizer_size(data)] or _tokenizer_eos(data)
             self._tokenizer = llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
         return self._tokenizer
 
@@ -185,17 +185,15 @@ class Grammars:
         return masks
 
 
-def _tokenizer_size(tokenizer_json: str) -> int:
-    """How many ids a tokenizer.json names: its vocabulary's and its added tokens'."""
-    data = json.loads(tokenizer_json)
+def _tokenizer_size(data: dict) -> int:
+    """How many ids a tokenizer.json (decoded) names: its vocabulary's and its added tokens'."""
     vocab = (data.get("model") or {}).get("vocab") or {}
     added = [t["id"] for t in data.get("added_tokens") or () if isinstance(t.get("id"), int)]
     return max([len(vocab), *(i + 1 for i in added)])
 
 
-def _tokenizer_eos(tokenizer_json: str) -> list[int]:
-    """A tokenizer.json's own end-of-text tokens (special added tokens named so)."""
-    data = json.loads(tokenizer_json)
+def _tokenizer_eos(data: dict) -> list[int]:
+    """A tokenizer.json's (decoded) own end-of-text tokens (added tokens named so)."""
     names = ("<|endoftext|>", "<|im_end|>", "</s>", "<|end_of_text|>", "<|eot_id|>")
     return [t["id"] for t in data.get("added_tokens") or () if t.get("content") in names][:2]
 

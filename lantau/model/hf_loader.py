@@ -37,9 +37,10 @@ def _read_config_json(folder: Path, name: str = "config.json") -> dict:
     return data
 
 
-def read_hf_quantization(folder: Path) -> CheckpointQuantization | None:
-    """The checkpoint's FP8 scheme (lantau/model/hf_quant.py), None when unquantized."""
-    config = _read_config_json(folder)
+def read_hf_quantization(folder: Path, config: dict | None = None) -> CheckpointQuantization | None:
+    """The checkpoint's FP8 scheme (lantau/model/hf_quant.py), None when unquantized;
+    `config`: its config.json when already read."""
+    config = _read_config_json(folder) if config is None else config
     hf_quant = None  # ModelOpt's older checkpoints describe it beside config.json
     if "quantization_config" not in config and (folder / HF_QUANT_CONFIG).is_file():
         hf_quant = _read_config_json(folder, HF_QUANT_CONFIG)
@@ -55,7 +56,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
     json's (an instruct model's end of turn may be named only there)."""
     path = folder / "config.json"
     data = _read_config_json(folder)
-    quantization = read_hf_quantization(folder)
+    quantization = read_hf_quantization(folder, data)
     try:
         config = ModelConfig.from_hf(data)
     except (KeyError, ValueError, TypeError) as e:
