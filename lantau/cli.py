@@ -56,6 +56,39 @@ def _add_scheduling_args(p: argparse.ArgumentParser, long_prefill_tokens: int = 
     )
 
 
+def _add_engine_args(p: argparse.ArgumentParser, eager: bool = True) -> None:
+    """The engine's own flags, named as vLLM names them (`lantau serve`, `chat`, `bench
+    offline`)."""
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.90,
+        help="the share of the GPU's memory the engine may use: weights, activations and the "
+        "KV cache, which takes what the rest leaves (CUDA; default 0.90)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0,
+        help="random weights' seed, and the sampler's for requests without their own",
+    )  # fmt: skip
+    if eager:
+        p.add_argument(
+            "--enforce-eager", action="store_true", help="no CUDA graphs: every step eager"
+        )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompts' shared prefixes (default on)",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps (default on); off, a step's token budget is "
+        "max_model_len unless --max-num-batched-tokens says otherwise",
+    )
+
+
 def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
     from lantau.engine.args import DTYPES
 
@@ -150,12 +183,18 @@ def _add_observability_args(p: argparse.ArgumentParser) -> None:
 
 
 def chat(args: argparse.Namespace) -> int:
+    from lantau.errors import ModelLoadError
     from lantau.llm import LLM
 
-    llm = LLM(
-        args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-    )  # fmt: skip
+    try:
+        llm = LLM(
+            args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+            kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+            **engine_options(args),
+        )  # fmt: skip
+    except (ModelLoadError, OSError, ValueError) as e:
+        print(f"lantau chat: {e}", file=sys.stderr)
+        return 2
     # the flags, else the model's generation_config.json, else a chat's own defaults
     given = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens}
     params = SamplingParams(**{
@@ -277,7 +316,11 @@ def serve(args: argparse.Namespace) -> int:
         from lantau.engine.async_llm import spawn_core
 
         core_args = dict(engine_args)
-        engine_config, source = build_engine_config(core_args.pop("model"), **core_args)
+        try:
+            engine_config, source = build_engine_config(core_args.pop("model"), **core_args)
+        except (ModelLoadError, OSError, ValueError) as e:
+            print(f"lantau serve: {e}", file=sys.stderr)
+            return 2
         early = (engine_config, source, spawn_core(engine_config, source))
     elif repository.control_mode != "explicit" or repository.load_models:
         from lantau.engine.async_llm import spawn_core
@@ -333,10 +376,24 @@ def serve_engine_args(args: argparse.Namespace) -> dict:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
+        **engine_options(args),
     )
+    if args.max_num_batched_tokens is None and args.enable_chunked_prefill:
+        engine_args["max_num_batched_tokens"] = SERVE_MAX_NUM_BATCHED_TOKENS
     if args.num_kv_blocks:
         engine_args["num_kv_blocks"] = args.num_kv_blocks
     return engine_args
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """_add_engine_args' flags, as build_engine_config's arguments."""
+    return dict(
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+    )
 
 
 def _repository_options(args: argparse.Namespace):
@@ -594,6 +651,7 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("chat", help="interactive chat in the terminal")
     _add_model_args(p)
+    _add_engine_args(p)
     help = "default: the model's generation_config.json, else {}"
     p.add_argument("--temperature", type=float, help=help.format(CHAT_SAMPLING["temperature"]))
     p.add_argument("--top-p", type=float, help=help.format(CHAT_SAMPLING["top_p"]))
@@ -602,6 +660,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="OpenAI and KServe v2 (HTTP, gRPC) server")
     _add_model_args(p)
+    _add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001, help="0: no gRPC server")
@@ -626,8 +685,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=SERVE_MAX_NUM_BATCHED_TOKENS,
-        help="tokens a step may compute (chunked prefill's budget)",
+        default=None,
+        help=f"tokens a step may compute (chunked prefill's budget; default "
+        f"{SERVE_MAX_NUM_BATCHED_TOKENS}, or max_model_len without chunked prefill)",
     )
     p.add_argument("--num-kv-blocks", type=int, default=None)
     _add_scheduling_args(p, long_prefill_tokens=SERVE_LONG_PREFILL_TOKENS)
@@ -767,7 +827,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     _add_kv_cache_dtype_arg(p)
     _add_tensor_parallel_arg(p)
-    p.add_argument("--enforce-eager", action="store_true")
+    _add_engine_args(p)
     _add_scheduling_args(p)
     p.add_argument("--output", default=None, help="write the result as JSON here")
     p.set_defaults(func=bench)

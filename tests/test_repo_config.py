@@ -43,12 +43,16 @@ def test_every_mapped_field():
           default_queue_policy { max_queue_size: 64 }
         }
         parameters { key: "max_model_len" value: { string_value: "256" } }
+        parameters { key: "gpu_memory_utilization" value: { string_value: "0.45" } }
+        parameters { key: "enable_prefix_caching" value: { string_value: "false" } }
         parameters { key: "swap" value: { string_value: "drain_first" } }
         parameters { key: "canary_share" value: { string_value: "0.25" } }
         """
     )
     assert config.device == "cpu" and config.max_pending_requests == 64
-    assert config.default_priority == 2 and config.engine_args == {"max_model_len": 256}
+    assert config.default_priority == 2 and config.engine_args == {
+        "max_model_len": 256, "gpu_memory_utilization": 0.45, "enable_prefix_caching": False,
+    }  # fmt: skip
     assert config.swap == "drain_first" and config.canary.share == 0.25
     assert config.version_policy.select([1, 2, 3, 4]) == [3, 1]
     assert parse("version_policy { all {} }").version_policy.select([2, 1]) == [2, 1]
@@ -74,6 +78,8 @@ def test_every_mapped_field():
         ('parameters { key: "canary_share" value: { string_value: "2" } }',
          "parameters['canary_share']: '2': must be within 0..1"),
         ("version_policy { latest { num_versions: 0 } }", "version_policy.latest.num_versions"),
+        ('parameters { key: "gpu_memory_utilization" value: { string_value: "0" } }',
+         "parameters['gpu_memory_utilization']: '0': must be within (0, 1]"),
     ],
 )  # fmt: skip
 def test_bad_fields_are_named(text, field):

@@ -36,6 +36,7 @@ from lantau.kv_cache.manager import KVCacheManager, cdiv
 from lantau.model.loader import ModelSource, build_model, load_in_background
 from lantau.model.parallel import SINGLE, TensorParallel, init_tensor_parallel
 from lantau.request import FinishReason, Request, SamplingParams, validate_prompt
+from lantau.runner.memory import engine_memory_baseline
 from lantau.runner.model_runner import LaunchedStep, ModelRunner
 from lantau.scheduler.output import EngineCoreOutput, SchedulerOutput
 from lantau.scheduler.scheduler import Scheduler
@@ -77,6 +78,7 @@ class EngineCore:
         # starts: that first forward pass pages in the CUDA libraries and kernels, which from
         # a cold disk would wait behind the weights' reads
         background = source.kind == "engine"
+        baseline = engine_memory_baseline(config, self.device)
         model = build_model(
             source,
             config.model_config,
@@ -94,7 +96,7 @@ class EngineCore:
             init_tensor_parallel(0, tp.size, self.workers.address, self.device)
         self.startup_s["model" if background else "weights"] = time.perf_counter() - clock
         clock = time.perf_counter()
-        num_blocks = config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
+        num_blocks = config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model, baseline)
         if self.workers is not None:  # what the tightest rank holds
             num_blocks = agree_num_blocks(num_blocks)
         self.startup_s["kv_profile"] = time.perf_counter() - clock

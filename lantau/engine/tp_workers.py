@@ -277,6 +277,7 @@ def run_worker(
     runner calls until told to stop (or orphaned)."""
     from lantau.engine.core_process import exit_with_parent
     from lantau.model.loader import build_model
+    from lantau.runner.memory import engine_memory_baseline
     from lantau.runner.model_runner import ModelRunner
 
     threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
@@ -285,6 +286,7 @@ def run_worker(
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        baseline = engine_memory_baseline(config, device)
         tp = TensorParallel(rank, config.tensor_parallel_size)
         model = build_model(
             source, config.model_config, getattr(torch, config.dtype), device, config.seed,
@@ -297,7 +299,7 @@ def run_worker(
     pipe.send(("built", None))
     init_tensor_parallel(rank, config.tensor_parallel_size, address, device)
     num_blocks = agree_num_blocks(
-        config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model)
+        config.cache.num_blocks or ModelRunner.num_kv_blocks(config, model, baseline)
     )
     from lantau.structured import model_tokenizer_json
 

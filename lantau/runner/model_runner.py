@@ -32,6 +32,7 @@ from lantau.kv_cache.manager import cdiv
 from lantau.model.forward_context import AttentionMetadata, ForwardContext
 from lantau.model.llama import LlamaForCausalLM
 from lantau.request import Logprob, SamplingParams
+from lantau.runner.memory import MemoryBaseline, kv_cache_budget
 from lantau.runner.step_inputs import StepInputs
 from lantau.sampling.sampler import (
     PendingSample,
@@ -200,10 +201,13 @@ class ModelRunner:
 
     @classmethod
     @torch.inference_mode()
-    def num_kv_blocks(cls, config: EngineConfig, model: LlamaForCausalLM) -> int:
-        """KV blocks that fit the memory budget once the weights and the peak of a worst-case
-        step (profile_inputs) with its sampling are counted; that step runs on a throwaway
-        runner whose own KV cache is not counted."""
+    def num_kv_blocks(
+        cls, config: EngineConfig, model: LlamaForCausalLM, baseline: MemoryBaseline | None = None
+    ) -> int:
+        """KV blocks that fit the engine's share of the card (memory.py; `baseline`: the card
+        when the engine started) once the weights and the peak of a worst-case step
+        (profile_inputs) with its sampling are counted; that step runs on a throwaway runner
+        whose own KV cache is not counted."""
         cache_dtype = kv_cache_dtype(config, model.lm_head.weight.dtype)
         per_block = kv_cache_bytes_per_block(config, cache_dtype)
         device = torch.device(config.device)
@@ -221,8 +225,17 @@ class ModelRunner:
         del runner, logits
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        not_torch = total - free - torch.cuda.memory_reserved(device)  # context, NCCL, ...
-        budget = int(total * config.cache.gpu_memory_utilization) - not_torch - peak
+        if baseline is None:  # none taken: all the card holds counts against the share
+            baseline = MemoryBaseline(0, 0, 0)
+        budget = kv_cache_budget(
+            baseline,
+            total=total,
+            free=free,
+            reserved=torch.cuda.memory_reserved(device),
+            allocated=torch.cuda.memory_allocated(device),
+            peak=peak,
+            utilization=config.cache.gpu_memory_utilization,
+        )
         if not config.enforce_eager:  # the CUDA graphs' logits, captured after the cache
             from lantau.runner.cuda_graph import graph_logits_bytes
 

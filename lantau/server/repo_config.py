@@ -256,11 +256,28 @@ def _dtype(text: str) -> str:
     return text
 
 
+def _memory_share(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError("must be within (0, 1]")
+    return value
+
+
+def _kv_cache_dtype(text: str) -> str:
+    if text not in ("auto", "fp8"):
+        raise ValueError("expected auto or fp8")
+    return text
+
+
 ENGINE_PARAMETERS = {
     "max_model_len": _positive_int,
     "num_kv_blocks": _positive_int,
     "max_num_batched_tokens": _positive_int,
     "dtype": _dtype,
+    "kv_cache_dtype": _kv_cache_dtype,
+    "gpu_memory_utilization": _memory_share,
+    "enable_prefix_caching": _bool,
+    "enforce_eager": _bool,
 }
 CONTROL_PARAMETERS = {
     "swap": _swap,
