@@ -289,7 +289,7 @@ def serve(args: argparse.Namespace) -> int:
     if isinstance(repository, str):
         print(f"lantau serve: {repository}", file=sys.stderr)
         return 2
-    from lantau.errors import ModelLoadError
+    from lantau.errors import EngineStartError, ModelLoadError
     from lantau.model.generation_config import check_mode
     from lantau.tls import ServerTls
 
@@ -358,7 +358,11 @@ def serve(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(serve(engine_args, config, repository, early, started))
+    try:
+        return asyncio.run(serve(engine_args, config, repository, early, started))
+    except EngineStartError as e:  # the core's own reason, not the frontend's traceback
+        print(f"lantau serve: {e}", file=sys.stderr)
+        return 1
 
 
 def serve_engine_args(args: argparse.Namespace) -> dict:

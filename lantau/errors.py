@@ -13,3 +13,8 @@ class InvalidRequestError(ValueError):
 
 class ModelLoadError(RuntimeError):
     """A model source could not be found, read or understood."""
+
+
+class EngineStartError(RuntimeError):
+    """An engine core could not start (its process said why: too little memory, a bad
+    model, ...)."""

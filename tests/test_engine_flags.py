@@ -45,20 +45,23 @@ def test_serve_flags_reach_the_engine_config():
 
 
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("flags", "code", "message"),
     [
-        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
-        (["--max-model-len", "300000"], "max_model_len: 300000 exceeds the model's"),
-        (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "64"],
+        (["--gpu-memory-utilization", "1.5"], 2, "gpu_memory_utilization must be in (0, 1]"),
+        (["--max-model-len", "300000"], 2, "max_model_len: 300000 exceeds the model's"),
+        (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "64"], 2,
          "max_num_batched_tokens must be >= max_model_len without chunked prefill"),
+        (["--num-kv-blocks", "1"], 1,
+         "engine core failed to start: ValueError: the KV cache holds 1 blocks"),
     ],
 )  # fmt: skip
-def test_bad_engine_flags_are_one_line_errors(flags, message):
-    """A bad flag or model stops `lantau serve` with exit 2 and the reason, no traceback."""
+def test_bad_engine_flags_are_one_line_errors(flags, code, message):
+    """A bad flag or model stops `lantau serve` with the reason and no traceback: exit 2
+    before anything starts, 1 when the engine core refuses at its start."""
     cmd = [sys.executable, "-m", "lantau.cli", "serve", "random:tiny", "--device", "cpu",
            "--port", "0", "--grpc-port", "0", *flags]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
+    assert done.returncode == code, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
 
 

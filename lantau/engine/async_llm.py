@@ -36,7 +36,7 @@ from lantau.engine.protocol import (
     NewRequest,
     StepStats,
 )
-from lantau.errors import InvalidRequestError
+from lantau.errors import EngineStartError, InvalidRequestError
 from lantau.metrics.stats import CURRENT_REQUEST, EngineMetrics, RequestTiming
 from lantau.model.source import ModelSource, borrowed_vocab_size
 from lantau.outputs import RequestOutput
@@ -199,7 +199,7 @@ class AsyncLLM:
             await asyncio.wait_for(self._out.recv(), timeout_s), type=CoreReady
         )
         if ready.error:
-            raise RuntimeError(f"engine core failed to start: {ready.error}")
+            raise EngineStartError(f"engine core failed to start: {ready.error}")
         self.num_blocks = ready.num_blocks
         # the core's whole start (its process, imports, the stages it timed) and its stages
         self.startup_s.update(engine_core=time.perf_counter() - start, **ready.startup_s)
