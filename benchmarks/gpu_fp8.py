@@ -14,6 +14,8 @@ Sections, in order (each on its own: an error is printed and the next section ru
             fp32 reference; the per-token quantization kernel vs torch
   accum     `_scaled_mm` with and without fast accumulation at the 8B and 70B projection
             shapes and 128 to 16,384 rows: TFLOP/s and error against the dequantized product
+  scaling   row-wise scaled `_scaled_mm` (CUTLASS) against tensor-wise (cuBLASLt, scales 1)
+            and bf16 at the same shapes, 256 to 16,384 rows: TFLOP/s
   w2-bf16   random:llama3-8b bf16: W2 (ms/token), and the reference logits / greedy tokens
   fp8-8b    random:llama3-8b fp8 (the same draws, quantized): logits rel. error, top-1 and
             greedy agreement against bf16; W2-fp8; W3-fp8-128, -1000, -2048 (trimmed)
@@ -72,6 +74,7 @@ TARGETS = {
 PRELOAD_TILES = [(2, 0, 2, 1), (2, 0, 4, 1), (4, 0, 4, 1), (4, 0, 8, 1), (8, 0, 8, 1)]
 # the accum section's rows: decode batches (W4's 128, W3's 384, 512) and prefill steps
 ACCUM_ROWS = (128, 384, 512, 2048, 16384)
+SCALING_ROWS = (256, 384, 1024, 4096, 16384)
 
 
 @section("ceilings")
@@ -189,6 +192,65 @@ def accum() -> None:
         del ws, w_ref
         torch.cuda.empty_cache()
     RESULTS["accum"] = res
+
+
+@section("scaling")
+def scaling() -> None:
+    """Whether the row-wise scaled fp8 GEMM (`_scaled_mm` with [M, 1] and [1, N] scales: a
+    CUTLASS kernel in torch) leaves speed behind cuBLASLt's tensor-wise one (scalar scales,
+    here 1: the scales would then be applied by the kernels that read the product), and both
+    against bf16 `torch.mm`, at the 8B and 70B shapes, fast accumulation, in CUDA graphs over
+    weight copies L2 cannot hold: TFLOP/s, and the tensor-wise product's error against the
+    row-wise one once scaled."""
+    from lantau.bench.offline import graph_ms
+    from lantau.kernels import fp8_quant
+    from lantau.model import fp8
+
+    one = torch.ones((), device="cuda")
+    res = {}
+    for name, (n, k) in {**SHAPES_8B, **SHAPES_70B}.items():
+        copies = max(2, (1 << 30) // (n * k))
+        ws = [fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
+        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        for m in SCALING_ROWS:
+            used = ws if m < 2048 else ws[:2]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = fp8_quant.quantize_rows(x)
+
+            def rowwise(used=used, xq=xq, xs=xs):
+                return [fp8.scaled_mm(xq, xs, q, s) for q, s in used]
+
+            def tensorwise(used=used, xq=xq):
+                return [
+                    torch._scaled_mm(xq, q.t(), scale_a=one, scale_b=one,
+                                     out_dtype=torch.bfloat16, use_fast_accum=True)
+                    for q, _ in used
+                ]  # fmt: skip
+
+            def bf16(wb=wb, x=x):
+                return [x @ w.t() for w in wb]
+
+            scaled = tensorwise()[0].float() * xs[:, None] * ws[0][1][None, :]
+            err = rel_err(scaled, rowwise()[0].float())
+            row = {}
+            for key, fn, count in (("rowwise", rowwise, len(used)),
+                                   ("tensorwise", tensorwise, len(used)),
+                                   ("bf16", bf16, len(wb))):  # fmt: skip
+                ms = graph_ms(fn) / count
+                row[key] = round(2 * m * n * k / ms / 1e9, 1)
+            row["tensorwise_rel_err"] = err
+            res[f"{name} x{m}"] = row
+            TABLE.append((
+                f"fp8 scaling {name} {n}x{k}, {m} rows",
+                f"tensor-wise {row['tensorwise']:.0f} vs row-wise {row['rowwise']:.0f} TFLOP/s",
+                f"bf16 {row['bf16']:.0f}; err {err:.1e}",
+            ))  # fmt: skip
+            print(TABLE[-1], flush=True)
+            del x, xq, xs, scaled
+            torch.cuda.empty_cache()
+        del ws, wb
+        torch.cuda.empty_cache()
+    RESULTS["scaling"] = res
 
 
 def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n: int) -> dict:
@@ -477,6 +539,7 @@ def main() -> None:
         ("ceilings", ceilings, ()),
         ("kernels", kernels, ()),
         ("accum", accum, ()),
+        ("scaling", scaling, ()),
         ("w2-bf16", w2_bf16, (ref,)),
         ("fp8-8b", fp8_8b, (ref, counts, w3_seqs)),
         ("w4", w4, (counts, w4_seqs)),

@@ -256,6 +256,8 @@ class EngineConfig:
     # schedule step N+1 while step N runs (engine/core.py); False: one step at a time
     async_scheduling: bool = True
     kernels: KernelConfig = field(default_factory=KernelConfig)  # the triton backend's
+    # LoRA adapters served beside the model, (name, PEFT folder) each (lantau/model/lora.py)
+    lora_modules: tuple[tuple[str, str], ...] = ()
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

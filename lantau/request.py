@@ -75,6 +75,8 @@ class SamplingParams:
     # the grammar holds only once the output ends with these tokens (a reasoning model's end
     # of thinking: the routes set it with --reasoning-parser)
     grammar_after: tuple[int, ...] = ()
+    # the LoRA adapter (its --lora-modules name) the request runs with; None: the base model
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -171,6 +173,11 @@ class SamplingParams:
                 self.cache_salt is None
                 or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 1024),
                 "must be null or a string of 1 to 1024 characters",
+            ),
+            (
+                "lora",
+                self.lora is None or (isinstance(self.lora, str) and 0 < len(self.lora) <= 128),
+                "must be null or an adapter's name",
             ),
         ]
 

@@ -398,6 +398,7 @@ def test_a_step_reaches_the_workers_whole():
         include_stop_str_in_output=True, logprobs=3, skip_special_tokens=False,
         detokenize=False, logit_bias={5: -100.0, 7: 2.5}, prompt_logprobs=2, min_tokens=2,
         structured_outputs={"regex": "a+"}, cache_salt="tenant-1", grammar_after=(6, 8),
+        lora="brand-a",
     )  # fmt: skip
     assert all(getattr(params, f) != getattr(SamplingParams(), f)
                for f in SamplingParams.__dataclass_fields__)  # fmt: skip

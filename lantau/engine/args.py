@@ -8,6 +8,7 @@ import dataclasses
 
 from lantau import envs
 from lantau.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
+from lantau.model.lora import parse_lora_modules
 from lantau.model.manifest import Manifest, read_manifest
 from lantau.model.source import ModelSource, read_model_config, resolve_model_source
 
@@ -46,6 +47,7 @@ def build_engine_config(
     enforce_eager: bool = False,
     async_scheduling: bool = True,
     kernels: KernelConfig | None = None,
+    lora_modules=(),
 ) -> tuple[EngineConfig, ModelSource]:
     """The frozen EngineConfig and the model source, from user-facing arguments. `kernels`:
     the triton backend's choices (default: KernelConfig's, PDL as LANTAU_PDL says);
@@ -85,6 +87,7 @@ def build_engine_config(
         enforce_eager=enforce_eager,
         async_scheduling=async_scheduling,
         kernels=kernels or KernelConfig(enable_pdl=envs.pdl_enabled()),
+        lora_modules=parse_lora_modules(lora_modules),
         cache=CacheConfig(
             block_size=block_size,
             num_blocks=num_kv_blocks,

@@ -90,6 +90,7 @@ class EngineCore:
             kernels=config.kernels,
             load=not background,
             tp=tp,
+            lora_modules=config.lora_modules,
         )
         if self.workers is not None:
             self.workers.wait_built()
@@ -169,6 +170,11 @@ class EngineCore:
         validate_prompt(prompt_token_ids, self.config.scheduler.max_model_len, vocab_size)
         if params is not None:
             params.check_vocab(vocab_size)
+            if params.lora is not None and params.lora not in self.runner.lora_slots:
+                served = ", ".join(self.runner.lora_slots) or "none"
+                raise InvalidRequestError(
+                    "lora", f"{params.lora!r} is not a LoRA adapter of this engine ({served})"
+                )
 
     def add_request(self, request: Request) -> None:
         self.last_arrival_s = time.monotonic()

@@ -291,7 +291,7 @@ def run_worker(
         model = build_model(
             source, config.model_config, getattr(torch, config.dtype), device, config.seed,
             ops=config.attention_backend, max_positions=config.scheduler.max_model_len,
-            kernels=config.kernels, tp=tp,
+            kernels=config.kernels, tp=tp, lora_modules=config.lora_modules,
         )  # fmt: skip
     except Exception as e:  # reported: rank 0 stops waiting and fails its start with it
         pipe.send(("error", f"{type(e).__name__}: {e}"))

@@ -55,8 +55,10 @@ class KVCacheManager:
         """Block i's tokens as its cache entry is checked (the salt with the first block's, so
         a hash collision across salts cannot be taken for a hit)."""
         tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
-        salt = request.sampling_params.cache_salt
-        return (salt, *tokens) if i == 0 and salt is not None else tokens
+        params = request.sampling_params
+        if i == 0 and (params.cache_salt is not None or params.lora is not None):
+            return (params.lora, params.cache_salt, *tokens)
+        return tokens
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest cached prefix of full blocks, and its token count.
@@ -151,6 +153,9 @@ class KVCacheManager:
 
 
 def _root(request: Request) -> int | None:
-    """Where a request's chain of block hashes starts: its cache salt's, or none."""
-    salt = request.sampling_params.cache_salt
-    return None if salt is None else hash(("cache_salt", salt))
+    """Where a request's chain of block hashes starts: its LoRA adapter's and its cache
+    salt's (an adapter's keys and values are not the base model's), or none."""
+    params = request.sampling_params
+    if params.cache_salt is None and params.lora is None:
+        return None
+    return hash(("cache_salt", params.lora, params.cache_salt))

@@ -35,3 +35,4 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     positions: torch.Tensor  # [num_tokens] int64: each token's position in its sequence
     cos_sin_cache: torch.Tensor | None = None  # [max_positions, head_dim] fp32, set by the model
+    lora: object | None = None  # the step's adapter tokens (lantau/model/lora.py's LoRABatch)

@@ -160,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings and not self.tied_copy:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ops: Ops = make_ops(ops, kernels)
+        self.lora_slots: dict[str, int] = {}  # LoRA adapter name -> slot (model/lora.py)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         device = self.lm_head.weight.device
         max_positions = max_positions or config.max_position_embeddings
@@ -179,14 +180,18 @@ class LlamaForCausalLM(nn.Module):
         pick_src[i] >= 0 (Ops.embed). final_norm: the final norm's output instead, the last
         residual add and the norm one op (decode_logits)."""
         ctx.cos_sin_cache = self.cos_sin_cache
-        x = self.ops.embed(input_ids, self.model.embed_tokens.weight, *(pick or ()))
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, ctx, self.ops)
-        if final_norm:
-            norm = self.model.norm
-            return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
-        return x + residual
+        self.ops.lora = ctx.lora  # the adapters' deltas, for this forward only
+        try:
+            x = self.ops.embed(input_ids, self.model.embed_tokens.weight, *(pick or ()))
+            residual = None
+            for layer in self.model.layers:
+                x, residual = layer(x, residual, ctx, self.ops)
+            if final_norm:
+                norm = self.model.norm
+                return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
+            return x + residual
+        finally:
+            self.ops.lora = None
 
     def decode_logits(
         self,

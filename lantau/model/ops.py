@@ -14,6 +14,7 @@ from lantau.kernels import require_triton
 from lantau.kv_cache.manager import cdiv
 from lantau.model import fp8
 from lantau.model.forward_context import AttentionMetadata
+from lantau.model.lora import LoRABatch, add_lora
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
@@ -37,6 +38,20 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
 
 class _Compositions:
     """The model's composite ops, as both backends run them unfused; TritonOps fuses some."""
+
+    # the step's adapter tokens (lantau/model/lora.py), set by the model for its forward
+    lora: LoRABatch | None = None
+
+    def _add_lora(self, y: torch.Tensor, x: torch.Tensor, layer) -> torch.Tensor:
+        """y, the base product of x by `layer`, with the step's adapters' deltas added."""
+        weights = getattr(layer, "lora_weights", None)
+        if self.lora is not None and weights is not None:
+            add_lora(y, x, weights, self.lora)
+        return y
+
+    def lora_on(self, layer) -> bool:
+        """Whether this forward adds adapter deltas to `layer`'s products."""
+        return self.lora is not None and getattr(layer, "lora_weights", None) is not None
 
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         """silu_and_mul(layer(x)) for layer = gate_up_proj: [num_tokens, intermediate]."""
@@ -68,11 +83,10 @@ class TorchOps(_Compositions):
     # where pick_src[i] >= 0 (a token the previous step sampled on the device)
     embed = staticmethod(ref.embedding_ref)
 
-    @staticmethod
-    def linear(x, layer, out: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear, or for an fp8 layer _scaled_mm's product emulated in fp32; written into
-        `out` (returned) when given."""
-        y = fp8.linear_ref(x, layer)
+    def linear(self, x, layer, out: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear, or for an fp8 layer _scaled_mm's product emulated in fp32 (with the
+        step's adapter deltas); written into `out` (returned) when given."""
+        y = self._add_lora(fp8.linear_ref(x, layer), x, layer)
         return y if out is None else out.copy_(y)
 
     rms_norm = staticmethod(ref.rms_norm_ref)
@@ -132,8 +146,15 @@ class TritonOps(_Compositions):
         layer: torch.nn.Linear | fp8.Fp8Linear,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x @ W^T (+ b); written into `out` (returned) when given: the CUDA graphs' logits
-        buffer (cuda_graph.py), which a plain layer's GEMM writes directly."""
+        """x @ W^T (+ b) (with the step's adapter deltas); written into `out` (returned)
+        when given: the CUDA graphs' logits buffer (cuda_graph.py), which a plain layer's GEMM
+        writes directly."""
+        if self.lora_on(layer):
+            y = self._add_lora(self._base_linear(x, layer), x, layer)
+            return y if out is None else out.copy_(y)
+        return self._base_linear(x, layer, out)
+
+    def _base_linear(self, x, layer, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.enable_gemv and x.shape[0] == 1:
             y = self._gemv_linear(x, layer)
         elif isinstance(layer, fp8.Fp8Linear):  # x quantized by token in one launch
@@ -155,7 +176,8 @@ class TritonOps(_Compositions):
         return self._gemv.gemv(x, w, b, self._gemv_tiles.get(shape), **kw)
 
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
-        if self.config.enable_gemv and self.config.enable_gate_silu and x.shape[0] == 1:
+        gated = self.config.enable_gemv and self.config.enable_gate_silu and x.shape[0] == 1
+        if gated and not self.lora_on(layer):  # an adapter's delta comes before the SiLU
             return self._gemv_linear(x, layer, gated=True)
         return super().linear_silu_mul(x, layer)
 

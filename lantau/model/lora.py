@@ -1,0 +1,217 @@
+"""LoRA adapters (PEFT's folders) served beside their base model, several in one batch.
+
+An adapter is PEFT's `adapter_config.json` and `adapter_model.safetensors`: low-rank pairs
+(A [r, in], B [out, r]) on some of each layer's q/k/v/o/gate/up/down projections, adding
+x A^T B^T times alpha / r (alpha / sqrt(r) with rslora) to the projection of x. At start
+(`--lora-modules NAME=PATH`) each adapter takes a slot, and each fused projection of each
+layer holds every slot's pair stacked (`LoRAWeights`: A [slots, R, in], B [slots, out, R]):
+q, k and v side by side as the fused qkv's (A's rows one adapter's q, k and v ranks, B block-
+diagonal), gate and up alike, the scale folded into B, a projection an adapter leaves alone
+zeros. Split over ranks, A and B are sliced as the weight they adapt: a column-split
+projection's B by rows, a row-split one's A by columns (its partial deltas are summed by the
+all-reduce that sums its partial products).
+
+A step's tokens of each adapter (`LoRABatch`: slot -> its rows, from the runner) get their
+delta after the base product (Ops.linear), before rotary, SiLU-and-mul and the all-reduce.
+Such steps run eagerly (no CUDA graph); steps of base-model tokens alone are unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lantau.errors import ModelLoadError
+
+# HF projection -> (the fused module it is part of, its place among the parts)
+TARGETS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+         "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # fmt: skip
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+# PEFT config fields that change what the pairs compute: refused unless at their defaults
+_REFUSED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+            "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+            "lora_bias": False}  # fmt: skip
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+@dataclass
+class Adapter:
+    """One PEFT LoRA adapter, read: its pairs by (layer, HF projection), on the host."""
+
+    name: str
+    path: Path
+    rank: int
+    scale: float
+    pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def parse_lora_modules(specs) -> tuple[tuple[str, str], ...]:
+    """`--lora-modules NAME=PATH ...` (or vLLM's JSON `{"name": ..., "path": ...}`) to
+    (name, path) pairs; ValueError naming the bad one."""
+    modules: dict[str, str] = {}
+    for spec in specs or ():
+        if spec.lstrip().startswith("{"):
+            try:
+                item = json.loads(spec)
+                name, path = item["name"], item["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"lora module {spec!r}: expected NAME=PATH") from None
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not path:
+                raise ValueError(f"lora module {spec!r}: expected NAME=PATH")
+        if not NAME.match(name):
+            raise ValueError(f"lora module {name!r}: a name of letters, digits, . _ : -")
+        if name in modules:
+            raise ValueError(f"lora module {name!r}: given twice")
+        modules[name] = path
+    return tuple(modules.items())
+
+
+def read_adapter(name: str, path: str | Path, model_config) -> Adapter:
+    """The adapter at `path` for a model of `model_config`; ModelLoadError saying what does
+    not fit (not LoRA, a setting lantau does not apply, a module it does not adapt, a shape
+    that is not the model's)."""
+    folder = Path(path)
+    where = f"lora module {name!r} ({folder})"
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+    except OSError as e:
+        raise ModelLoadError(f"{where}: no adapter_config.json ({e.strerror})") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{where}: adapter_config.json is not JSON ({e})") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ModelLoadError(f"{where}: peft_type {config.get('peft_type')!r}, not LORA")
+    for key, default in _REFUSED.items():
+        if config.get(key, default) not in (default, None, False, {}):
+            raise ModelLoadError(f"{where}: {key}={config[key]!r} is not supported")
+    if config.get("bias", "none") != "none":
+        raise ModelLoadError(f"{where}: bias={config['bias']!r} is not supported (only none)")
+    rank, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    weights_file = folder / "adapter_model.safetensors"
+    if not weights_file.exists():
+        raise ModelLoadError(f"{where}: no adapter_model.safetensors")
+    from safetensors.torch import load_file
+
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(weights_file).items():
+        found = _KEY.search(key)
+        if found is None or found.group(2) not in TARGETS:
+            raise ModelLoadError(f"{where}: {key!r} is not a pair lantau applies "
+                                 f"(it adapts {', '.join(TARGETS)})")  # fmt: skip
+        layer, module, half = int(found.group(1)), found.group(2), found.group(3)
+        halves.setdefault((layer, module), {})[half] = tensor
+    pairs = {}
+    for (layer, module), ab in sorted(halves.items()):
+        if set(ab) != {"A", "B"} or layer >= model_config.num_hidden_layers:
+            raise ModelLoadError(f"{where}: layer {layer} {module}: not a whole pair of the "
+                                 "model's layers")  # fmt: skip
+        a, b = ab["A"], ab["B"]
+        size_in, size_out = _shape(module, model_config)
+        if tuple(a.shape) != (rank, size_in) or tuple(b.shape) != (size_out, rank):
+            raise ModelLoadError(
+                f"{where}: layer {layer} {module}: A {tuple(a.shape)} and B {tuple(b.shape)}, "
+                f"expected ({rank}, {size_in}) and ({size_out}, {rank})"
+            )
+        pairs[(layer, module)] = (a, b)
+    if not pairs:
+        raise ModelLoadError(f"{where}: no LoRA pairs in adapter_model.safetensors")
+    return Adapter(name, folder, rank, scale, pairs)
+
+
+def _shape(module: str, c) -> tuple[int, int]:
+    """(in, out) of an HF projection of the whole model."""
+    return {
+        "q_proj": (c.hidden_size, c.q_size), "k_proj": (c.hidden_size, c.kv_size),
+        "v_proj": (c.hidden_size, c.kv_size), "o_proj": (c.q_size, c.hidden_size),
+        "gate_proj": (c.hidden_size, c.intermediate_size),
+        "up_proj": (c.hidden_size, c.intermediate_size),
+        "down_proj": (c.intermediate_size, c.hidden_size),
+    }[module]  # fmt: skip
+
+
+@dataclass
+class LoRAWeights:
+    """Every slot's pair of one fused projection on one rank: A [slots, R, in], B [slots,
+    out, R] (the scale in B)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclass
+class LoRABatch:
+    """A step's adapter tokens: per slot present, the rows of its tokens (device tensors)."""
+
+    groups: list[tuple[int, torch.Tensor]]
+
+
+def attach_adapters(model, adapters: list[Adapter]) -> dict[str, int]:
+    """Set `lora_weights` on each fused projection of `model` (this rank's slices) from
+    `adapters`, slot i the i-th; returns name -> slot."""
+    if not adapters:
+        return {}
+    config, tp = model.config, model.tp
+    device, dtype = model.lm_head.weight.device, model.model.embed_tokens.weight.dtype
+    r = max(a.rank for a in adapters)
+    for i, layer in enumerate(model.model.layers):
+        for fused, parts in PARTS.items():
+            module = layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp
+            target = getattr(module, fused)
+            prefix = f"model.layers.{i}.{'self_attn' if module is layer.self_attn else 'mlp'}"
+            size_in = target.in_features
+            outs = [_part_rows(tp, f"{prefix}.{p}.weight", _shape(p, config)[1], config)
+                    for p in parts]  # fmt: skip
+            a = torch.zeros(len(adapters), len(parts) * r, size_in, dtype=dtype, device=device)
+            b = torch.zeros(len(adapters), sum(outs), len(parts) * r, dtype=dtype, device=device)
+            for slot, adapter in enumerate(adapters):
+                row = 0
+                for j, part in enumerate(parts):
+                    pair = adapter.pairs.get((i, part))
+                    if pair is not None:
+                        pa, pb = pair
+                        name = f"{prefix}.{part}.weight"
+                        if fused in ("o_proj", "down_proj"):  # row split: A's input columns
+                            pa = tp.shard(name, pa, config)
+                        else:  # column split: B's output rows
+                            pb = tp.shard(name, pb, config)
+                        k = adapter.rank
+                        a[slot, j * r : j * r + k] = pa.to(device, dtype)
+                        b[slot, row : row + outs[j], j * r : j * r + k] = (
+                            pb.to(device, torch.float32) * adapter.scale
+                        ).to(dtype)
+                    row += outs[j]
+            target.lora_weights = LoRAWeights(a, b)
+    return {adapter.name: slot for slot, adapter in enumerate(adapters)}
+
+
+def _part_rows(tp, name: str, whole_rows: int, config) -> int:
+    """A part's output rows on this rank."""
+    if tp.size == 1 or name.split(".")[-2] in ("o_proj", "down_proj"):
+        return whole_rows
+    return whole_rows // tp.size
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, batch: LoRABatch) -> None:
+    """y[rows] += x[rows] A_s^T B_s^T for each slot s of the batch, in place (y: the base
+    product of x, [tokens, out])."""
+    for slot, rows in batch.groups:
+        if rows is None:  # every token of the step
+            y += (x @ weights.a[slot].t()) @ weights.b[slot].t()
+        else:
+            y.index_add_(0, rows, (x[rows] @ weights.a[slot].t()) @ weights.b[slot].t())

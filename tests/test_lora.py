@@ -1,0 +1,146 @@
+"""LoRA adapters (lantau/model/lora.py) against HF transformers with PEFT on the same
+adapters: each request of a batch that mixes two adapters and the base model gets its own
+model's tokens and logits; an adapter's cached prefixes serve only that adapter."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+
+from lantau import LLM, SamplingParams
+from lantau.errors import InvalidRequestError, ModelLoadError
+from lantau.model.lora import parse_lora_modules
+from tests.conftest import hf_greedy
+from tests.test_engine import check_clean, random_prompts
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_adapter(base_dir, folder, seed: int, **config) -> None:
+    """A PEFT LoRA adapter of the tiny model, its B matrices drawn (PEFT starts them at 0)."""
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(**config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    save_adapter(tiny_llama_dir, root / "all", 1, r=4, lora_alpha=8, target_modules=ALL)
+    save_adapter(tiny_llama_dir, root / "qv", 2, r=8, lora_alpha=4,
+                 target_modules=["q_proj", "v_proj"], use_rslora=True)  # fmt: skip
+    return {"all": root / "all", "qv": root / "qv"}
+
+
+def hf_reference(tiny_llama_dir, adapter_dir, prompt, n: int):
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    base.generation_config.eos_token_id = None  # like ignore_eos: always n tokens
+    model = base if adapter_dir is None else peft.PeftModel.from_pretrained(base, adapter_dir)
+    return hf_greedy(model.eval(), prompt, n)
+
+
+def test_a_batch_of_two_adapters_and_the_base_model_matches_peft(tiny_llama_dir, adapters):
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=128,
+        lora_modules=[f"all={adapters['all']}", f"qv={adapters['qv']}"],
+    )  # fmt: skip
+    prompts = random_prompts(6, seed=11, max_len=40)
+    names = ["all", None, "qv", "all", "qv", None]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1, lora=name)
+        for name in names
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, name, out in zip(prompts, names, outs, strict=True):
+        adapter = None if name is None else adapters[name]
+        tokens, logits = hf_reference(tiny_llama_dir, adapter, prompt, 8)
+        assert out.outputs[0].token_ids == tokens, name
+        # the last token's logprob as HF's last-step logits give it
+        last = out.outputs[0].logprobs[-1][tokens[-1]].logprob
+        assert last == pytest.approx(torch.log_softmax(logits, -1)[tokens[-1]].item(), abs=1e-4)
+    # the adapters change the answers (the test would pass on the base model otherwise)
+    base = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    )]  # fmt: skip
+    assert all(base[i] != outs[i].outputs[0].token_ids for i in (0, 2, 3, 4))
+    check_clean(llm)
+
+
+def test_an_adapters_cached_prefix_serves_only_that_adapter(tiny_llama_dir, adapters):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+              lora_modules=[f"all={adapters['all']}"])  # fmt: skip
+    prompt = {"prompt_token_ids": list(range(10, 60))}
+
+    def cached(lora):
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, lora=lora)
+        return llm.generate(prompt, params)[0].num_cached_tokens
+
+    assert cached("all") == 0 and cached("all") == 48  # three blocks of its own
+    assert cached(None) == 0 and cached(None) == 48  # the base model's are apart
+    with pytest.raises(InvalidRequestError, match="'nope' is not a LoRA adapter of this engine"):
+        llm.engine.add_request("x", prompt, SamplingParams(lora="nope"))
+    check_clean(llm)
+
+
+def test_lora_modules_specs():
+    assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y"}']) == (("a", "/x"), ("b", "/y"))
+    for bad, message in [(["a"], "expected NAME=PATH"), (["a=/x", "a=/y"], "given twice"),
+                         (["../a=/x"], "a name of letters")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_lora_modules(bad)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_dora": True}, "use_dora=True is not supported"),
+        ({"peft_type": "IA3"}, "peft_type 'IA3', not LORA"),
+        ({"bias": "all"}, "bias='all' is not supported"),
+        ({"r": 16}, "A (4, 160) and B (64, 4), expected (16, 160) and (64, 16)"),
+    ],
+)
+def test_adapters_lantau_cannot_apply_are_named_errors(tiny_llama_dir, adapters, tmp_path, change,
+                                                       message):  # fmt: skip
+    folder = tmp_path / "changed"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(
+        (adapters["all"] / "adapter_model.safetensors").read_bytes()
+    )
+    config = json.loads((adapters["all"] / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ModelLoadError, match="lora module 'x'") as e:
+        LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=16,
+            lora_modules=[f"x={folder}"])  # fmt: skip
+    assert message in str(e.value)
+    with pytest.raises(ModelLoadError, match="no adapter_config.json"):
+        LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=16,
+            lora_modules=[f"x={tmp_path / 'missing'}"])  # fmt: skip
+
+
+def test_adapters_split_over_two_ranks_give_the_one_rank_tokens(tiny_llama_dir, adapters):
+    """Tensor parallel (gloo, two ranks): each rank holds its slices of every adapter (B by
+    rows where the projection splits its rows, A by columns where it splits its input) and
+    the mixed batch's tokens are the one-rank engine's."""
+    common = dict(dtype="float32", device="cpu", num_kv_blocks=64,
+                  lora_modules=[f"all={adapters['all']}", f"qv={adapters['qv']}"])  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, seed=5, max_len=30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora=name)
+              for name in ("all", "qv", None)]  # fmt: skip
+
+    def run(llm) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    split = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **common)
+    tokens = run(split)
+    del split
+    assert tokens == run(LLM(str(tiny_llama_dir), **common))
