@@ -305,6 +305,11 @@ def serve(args: argparse.Namespace) -> int:
         print("lantau serve: --enable-auto-tool-choice and --tool-call-parser go together",
               file=sys.stderr)  # fmt: skip
         return 2
+    names = set(args.served_model_name or [args.model or "SmolLM2-135M-Instruct"])
+    problem = _lora_problem(args.lora_modules, names, repository is not None)
+    if problem:
+        print(f"lantau serve: {problem}", file=sys.stderr)
+        return 2
     engine_args = serve_engine_args(args)
     if args.step_log:  # NOTE: before any engine core spawns: they read it from the environment
         from lantau import envs
@@ -380,6 +385,7 @@ def serve_engine_args(args: argparse.Namespace) -> dict:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
+        lora_modules=tuple(args.lora_modules or ()),
         **engine_options(args),
     )
     if args.max_num_batched_tokens is None and args.enable_chunked_prefill:
@@ -387,6 +393,22 @@ def serve_engine_args(args: argparse.Namespace) -> dict:
     if args.num_kv_blocks:
         engine_args["num_kv_blocks"] = args.num_kv_blocks
     return engine_args
+
+
+def _lora_problem(specs, served_names: set[str], repository: bool) -> str | None:
+    """Why `--lora-modules` cannot be served as given, or None."""
+    if not specs:
+        return None
+    if repository:
+        return "--lora-modules: not with a model repository (its models' adapters are not read)"
+    from lantau.model.lora import parse_lora_modules
+
+    try:
+        modules = parse_lora_modules(specs)
+    except ValueError as e:
+        return str(e)
+    taken = sorted({name for name, _ in modules} & served_names)
+    return f"lora module {taken[0]!r}: the served model's own name" if taken else None
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -674,6 +696,18 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME",
         help="the name(s) requests use for the model (the first is the one answers name)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served beside the model, each under its NAME: a "
+        "request naming it as its model runs with it (docs/lora.md)",
+    )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="accepted for vLLM's command lines: the adapters are --lora-modules'",
     )
     p.add_argument(
         "--model-repository", default=None, help="a Triton-style repository: REPO/NAME/VERSION"

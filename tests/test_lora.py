@@ -33,6 +33,20 @@ def save_adapter(base_dir, folder, seed: int, **config) -> None:
 
 
 @pytest.fixture(scope="module")
+def served_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny model with the default model's tokenizer beside it (texts of ids < 512)."""
+    import shutil
+
+    from lantau.model import gguf_loader
+    from lantau.model.source import default_model_path
+
+    folder = tmp_path_factory.mktemp("tiny-with-tokenizer")
+    shutil.copytree(tiny_llama_dir, folder, dirs_exist_ok=True)
+    gguf_loader.load_gguf_tokenizer(default_model_path()).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def adapters(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     save_adapter(tiny_llama_dir, root / "all", 1, r=4, lora_alpha=8, target_modules=ALL)
@@ -144,3 +158,69 @@ def test_adapters_split_over_two_ranks_give_the_one_rank_tokens(tiny_llama_dir, 
     tokens = run(split)
     del split
     assert tokens == run(LLM(str(tiny_llama_dir), **common))
+
+
+def test_served_adapters_by_name(served_dir, adapters):
+    """`lantau serve --lora-modules`: /v1/models lists each adapter with its base model as
+    parent; a completion naming an adapter is that adapter's (the offline engine's text with
+    it, checked against PEFT above), one naming the base model is the base model's, and an
+    unknown name is a 404."""
+    import httpx
+    import openai
+
+    from tests.servers import lantau_serve
+
+    prompt = random_prompts(1, seed=21, max_len=30)[0]
+    offline = LLM(str(served_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+                  lora_modules=[f"all={adapters['all']}", f"qv={adapters['qv']}"])  # fmt: skip
+
+    def expected(lora) -> str:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora=lora)
+        return offline.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].text
+
+    assert expected("all") != expected(None) != expected("qv")
+    flags = ("--dtype", "float32", "--served-model-name", "base", "--enable-lora",
+             "--lora-modules", f"all={adapters['all']}", f"qv={adapters['qv']}")  # fmt: skip
+    with lantau_serve(str(served_dir), *flags) as (base, _):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        listed = {m.id: m.model_extra.get("parent") for m in client.models.list().data}
+        assert listed == {"base": None, "all": "base", "qv": "base"}
+        for model, lora in (("all", "all"), ("qv", "qv"), ("base", None)):
+            reply = client.completions.create(
+                model=model, prompt=prompt, max_tokens=8, temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            want = expected(lora)
+            assert want and reply.model == model and reply.choices[0].text == want, model
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt=prompt, max_tokens=2)
+        # KServe v2's generate names the adapter as its model too
+        text = "1,2,3,4,5,6,7,8"  # its ids are all the tiny model's (< 512)
+        reply = httpx.post(f"{base}/v2/models/qv/generate", timeout=60, json={
+            "text_input": text,
+            "parameters": {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+        })  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        ids = offline.engine.tokenizer.encode(text, add_special_tokens=False)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora="qv")
+        want = offline.generate({"prompt_token_ids": ids}, params)[0].outputs[0].text
+        assert reply.json()["text_output"] == want
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora-modules", "nofolder"], "lora module 'nofolder': expected NAME=PATH"),
+        (["--served-model-name", "a", "--lora-modules", "a=/x"], "the served model's own name"),
+        (["--lora-modules", "a=/nonexistent"], "lora module 'a' (/nonexistent): no adapter_config"),
+    ],
+)
+def test_bad_lora_modules_stop_the_server_with_their_reason(flags, message):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "lantau.cli", "serve", "random:tiny", "--device", "cpu",
+           "--port", "0", "--grpc-port", "0", *flags]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode in (1, 2) and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

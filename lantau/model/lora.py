@@ -23,10 +23,12 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from lantau.errors import ModelLoadError
+
+if TYPE_CHECKING:  # NOTE: the frontend reads --lora-modules here without loading torch
+    import torch
 
 # HF projection -> (the fused module it is part of, its place among the parts)
 TARGETS = {
@@ -164,6 +166,8 @@ class LoRABatch:
 def attach_adapters(model, adapters: list[Adapter]) -> dict[str, int]:
     """Set `lora_weights` on each fused projection of `model` (this rank's slices) from
     `adapters`, slot i the i-th; returns name -> slot."""
+    import torch
+
     if not adapters:
         return {}
     config, tp = model.config, model.tp

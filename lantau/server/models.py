@@ -7,6 +7,7 @@ what lets a swap move traffic at once while in-flight requests finish where they
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ class ServedModel:
     """One model name as the routes see it."""
 
     name: str
+    parent: str | None = None  # a LoRA adapter's base model
 
     @property
     def engine(self) -> AsyncLLM:
@@ -101,9 +103,32 @@ class SingleModel(ServedModel):
         return self._engine.generate(request_id, prompt, params, priority)
 
 
+class AdapterModel(ServedModel):
+    """A LoRA adapter of a served model, under its own name (`--lora-modules NAME=PATH`): its
+    requests run on the base model's engine with SamplingParams.lora set to it."""
+
+    def __init__(self, base: ServedModel, name: str) -> None:
+        self.base, self.name, self.parent = base, name, base.name
+
+    @property
+    def engine(self) -> AsyncLLM:
+        return self.base.engine
+
+    def versions(self) -> list[str]:
+        return self.base.versions()
+
+    def is_ready(self) -> bool:
+        return self.base.is_ready()
+
+    def generate(self, request_id, prompt, params, priority=0, version=""):
+        params = dataclasses.replace(params, lora=self.name)
+        return self.base.generate(request_id, prompt, params, priority, version)
+
+
 class SingleModelRouter(ModelRouter):
     """`lantau serve MODEL`: one engine under one name, and any aliases (`--served-model-name
-    NAME ALIAS...`: requests may name any; answers name the first)."""
+    NAME ALIAS...`: requests may name any; answers name the first), and its LoRA adapters
+    each under its own name (the engine's `lora_modules`)."""
 
     def __init__(
         self,
@@ -114,12 +139,22 @@ class SingleModelRouter(ModelRouter):
     ) -> None:
         self.model = SingleModel(engine, name, is_ready)
         self.aliases = tuple(a for a in aliases if a != name)
+        config = getattr(engine, "config", None)
+        self.adapters = {
+            adapter: AdapterModel(self.model, adapter)
+            for adapter, _ in getattr(config, "lora_modules", ())
+        }
+        taken = set(self.adapters) & {name, *self.aliases}
+        if taken:
+            raise ValueError(f"lora module {sorted(taken)[0]!r}: the served model's own name")
 
     def get(self, name: str | None) -> ServedModel | None:
-        return self.model if name is None or name in self.names() else None
+        if name in self.adapters:
+            return self.adapters[name]
+        return self.model if name is None or name in (self.model.name, *self.aliases) else None
 
     def names(self) -> list[str]:
-        return [self.model.name, *self.aliases]
+        return [self.model.name, *self.aliases, *self.adapters]
 
     def engines(self) -> list[AsyncLLM]:
         return [self.model.engine]

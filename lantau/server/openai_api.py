@@ -1057,6 +1057,8 @@ def make_openai_router(
                         "created": 0,
                         "owned_by": "lantau",
                         "max_model_len": served.engine.max_model_len,
+                        # vLLM's: a LoRA adapter's base model (null for a model itself)
+                        "parent": served.parent,
                     }
                 )
         return json_response({"object": "list", "data": data})
