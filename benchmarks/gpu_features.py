@@ -1,5 +1,7 @@
 """The request features that leave the engine's fast path, checked on a device (one call):
-logit bias, min_tokens, structured outputs, prompt logprobs, n, with CUDA graphs and without.
+logit bias, min_tokens, structured outputs, prompt logprobs, n, with CUDA graphs and without;
+then LoRA adapters (eager steps): a zero adapter is the base model, a drawn one changes the
+tokens, the Triton ops' tokens with it agree with the torch reference ops'.
 
 Each engine (`--graphs` and `--eager`: enforce_eager) runs the same requests; a check is a
 property of the output (a forced token, the grammar followed, no stop before min_tokens) or
@@ -83,6 +85,103 @@ def run_engine(llm, params_cls, eos: int) -> dict:
     return results
 
 
+def write_adapter(folder: str, config, seed: int, zero_b: bool = False) -> None:
+    """A PEFT-layout LoRA adapter for `config`'s model (r 8, alpha 16, all seven projections),
+    written without peft (not on the GPU image); B all zeros with zero_b."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    from lantau.model.lora import _shape
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for module in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"):  # fmt: skip
+            size_in, size_out = _shape(module, config)
+            where = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{where}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(8, size_in, generator=gen) * 0.02
+            b = torch.randn(size_out, 8, generator=gen) * 0.05
+            tensors[f"{key}.lora_B.weight"] = b * 0 if zero_b else b
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "r": 8,
+                "lora_alpha": 16,
+                "target_modules": [
+                    "q_proj",
+                    "k_proj",
+                    "v_proj",
+                    "o_proj",
+                    "gate_proj",
+                    "up_proj",
+                    "down_proj",
+                ],
+            },
+            f,
+        )
+
+
+def lora_rows(args) -> list[tuple[str, str, str]]:
+    """LoRA adapters on the device: a zero adapter's tokens are the base model's (the same
+    eager engine: exactly), a drawn adapter's change them, and its tokens through the Triton
+    ops agree with the torch reference ops' on the same device."""
+    import tempfile
+
+    from lantau import LLM, SamplingParams
+    from lantau.engine.args import build_engine_config
+
+    config = build_engine_config(args.model)[0].model_config
+    root = tempfile.mkdtemp()
+    write_adapter(f"{root}/brand", config, 1)
+    write_adapter(f"{root}/zero", config, 2, zero_b=True)
+    modules = [f"brand={root}/brand", f"zero={root}/zero"]
+    outs, seconds = {}, {}
+    for backend in ("triton", "torch"):
+        llm = LLM(args.model, device=args.device, max_model_len=1024, max_num_seqs=64,
+                  enforce_eager=True, lora_modules=modules,
+                  attention_backend=backend if args.device != "cpu" else "torch")  # fmt: skip
+        for lora in (None, "zero", "brand"):
+            if backend == "torch" and lora != "brand":
+                continue
+            params = SamplingParams(temperature=0.0, max_tokens=16, lora=lora, logprobs=0)
+            start = time.perf_counter()
+            result = llm.generate(PROMPTS, params)
+            seconds[(backend, lora)] = time.perf_counter() - start
+            # the tokens, and the first token's logprob (random weights: greedy may not move)
+            outs[(backend, lora)] = [
+                (o.outputs[0].token_ids, round(o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]]
+                                               .logprob, 3))
+                for o in result
+            ]  # fmt: skip
+        del llm
+
+    def agree(a, b) -> int:  # the same tokens and the same first logprob (to 1e-3)
+        return sum(x == y for x, y in zip(outs[a], outs[b], strict=True))
+
+    n = len(PROMPTS)
+    zero_ok = agree(("triton", None), ("triton", "zero")) == n
+    changed = n - agree(("triton", None), ("triton", "brand"))
+    ref = sum(x[0] == y[0] for x, y in zip(outs[("triton", "brand")], outs[("torch", "brand")],
+                                           strict=True))  # fmt: skip
+    return [
+        ("lora zero = base", f"{seconds[('triton', 'zero')]:.2f}",
+         "ok" if zero_ok else "a zero adapter changed tokens"),
+        ("lora adapter", f"{seconds[('triton', 'brand')]:.2f} / "
+         f"{seconds[('torch', 'brand')]:.2f}",
+         "; ".join(p for p in (
+             "" if changed >= n // 2 else f"the adapter changed only {changed}/{n}",
+             "" if ref >= n * 0.75 else f"triton and torch ops agree on {ref}/{n}",
+         ) if p) or f"ok (changed {changed}/{n}; triton = torch ops on {ref}/{n})"),
+    ]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random:llama3.2-1b")
@@ -132,6 +231,7 @@ def main() -> None:
                     problems.append(f"prompt logprobs differ by {worst:.3f}")
         times = " / ".join(f"{engines[e][feature]['seconds']:.2f}" for e in engines)
         rows.append((feature, times, "; ".join(problems) or "ok"))
+    rows += lora_rows(args)
     print(f"\n{args.model} on {args.device}; seconds for the set ({' / '.join(engines)})")
     print(f"{'feature':<20} {'seconds':>13}  check")
     for feature, times, verdict in rows:
