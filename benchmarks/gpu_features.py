@@ -1,7 +1,7 @@
 """The request features that leave the engine's fast path, checked on a device (one call):
 logit bias, min_tokens, structured outputs, prompt logprobs, n, with CUDA graphs and without;
-then LoRA adapters (eager steps): a zero adapter is the base model, a drawn one changes the
-tokens, the Triton ops' tokens with it agree with the torch reference ops'.
+then LoRA adapters: a zero adapter is the base model, a drawn one changes the tokens, the
+Triton ops' and graphs' tokens with it agree with the torch reference ops'.
 
 Each engine (`--graphs` and `--eager`: enforce_eager) runs the same requests; a check is a
 property of the output (a forced token, the grammar followed, no stop before min_tokens) or
@@ -130,8 +130,8 @@ def write_adapter(folder: str, config, seed: int, zero_b: bool = False) -> None:
 
 def lora_rows(args) -> list[tuple[str, str, str]]:
     """LoRA adapters on the device: a zero adapter's tokens are the base model's (the same
-    eager engine: exactly), a drawn adapter's change them, and its tokens through the Triton
-    ops agree with the torch reference ops' on the same device."""
+    graphs: exactly), a drawn adapter's change them, and its tokens through the Triton ops
+    and CUDA graphs agree with the torch reference ops' (eager) on the same device."""
     import tempfile
 
     from lantau import LLM, SamplingParams
@@ -145,7 +145,7 @@ def lora_rows(args) -> list[tuple[str, str, str]]:
     outs, seconds = {}, {}
     for backend in ("triton", "torch"):
         llm = LLM(args.model, device=args.device, max_model_len=1024, max_num_seqs=64,
-                  enforce_eager=True, lora_modules=modules,
+                  enforce_eager=backend == "torch", lora_modules=modules,
                   attention_backend=backend if args.device != "cpu" else "torch")  # fmt: skip
         for lora in (None, "zero", "brand"):
             if backend == "torch" and lora != "brand":

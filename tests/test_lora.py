@@ -224,3 +224,67 @@ def test_bad_lora_modules_stop_the_server_with_their_reason(flags, message):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode in (1, 2) and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_graph_steps_with_adapters_match_eager(tiny_llama_dir, adapters):
+    """The CUDA graphs' passes (decode and mixed), run on CPU without capture: with adapters
+    the graphs' buffers carry each row's adapter slot (-1 for base rows and padding) and every
+    step computes the masked deltas, so a replay gives the eager step's logits whatever the
+    batch mixes, and the graphs need no eager fallback."""
+    from lantau.config import KernelConfig
+    from lantau.runner.cuda_graph import CudaGraphRunner
+    from lantau.runner.mixed_graph import MixedGraphRunner
+
+    llm = LLM(
+        str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=128, max_num_seqs=4,
+        max_num_batched_tokens=80, attention_backend="triton",
+        kernels=KernelConfig(enable_gemv=False),
+        lora_modules=[f"all={adapters['all']}", f"qv={adapters['qv']}"],
+    )  # fmt: skip
+    runner = llm.engine.core.runner
+    decode = CudaGraphRunner(
+        runner.config, runner.model, runner.kv_caches, runner.device, runner.token_ids
+    )
+    mixed = MixedGraphRunner(runner.config, runner.model, runner.kv_caches, runner.device)
+    eager_forward, checked = runner._forward_logits, []
+
+    def both(inputs):
+        replayed = None
+        if decode.can_run(inputs):
+            bs, turn = decode.bucket(inputs.num_reqs), 1 - runner._last
+            decode.stage(inputs, bs, turn)
+            before = runner.token_ids[turn].clone()
+            replayed = decode._step(bs, None, turn)[0][: len(inputs.sample_ids)]
+            runner.token_ids[turn].copy_(before)
+            checked.append(("decode", sorted(set(inputs.lora_index.tolist()))))
+        elif mixed.can_run(inputs):
+            num_tokens = mixed.bucket(len(inputs.input_ids))
+            mixed.stage(inputs, num_tokens)
+            runner.fill_pending(mixed.input_ids[:num_tokens], inputs)
+            replayed = runner._sample_logits(mixed.forward(num_tokens), inputs)
+            checked.append(("mixed", sorted(set(inputs.lora_index.tolist()))))
+        logits = eager_forward(inputs)
+        if replayed is not None:
+            torch.testing.assert_close(replayed, logits, rtol=1e-4, atol=1e-4)
+        return logits
+
+    runner._forward_logits = both
+    prompts = random_prompts(4, seed=9, max_len=40)
+    names = ["all", None, "qv", "all"]
+    engine = llm.engine
+    for i in (0, 1):
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, lora=names[i])
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params)
+    for step in range(60):  # the rest arrive while the first ones decode: mixed steps
+        if step in (2, 3):
+            i = step
+            params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, lora=names[i])
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params)
+        engine.step()
+        if not engine.has_unfinished_requests:
+            break
+    kinds = {kind for kind, _ in checked}
+    assert kinds == {"decode", "mixed"}, checked
+    # batches that mixed adapters with the base model ran through the graphs' passes
+    assert any(-1 in slots and len(slots) > 1 for _, slots in checked), checked
+    check_clean(llm)

@@ -11,9 +11,12 @@ zeros. Split over ranks, A and B are sliced as the weight they adapt: a column-s
 projection's B by rows, a row-split one's A by columns (its partial deltas are summed by the
 all-reduce that sums its partial products).
 
-A step's tokens of each adapter (`LoRABatch`: slot -> its rows, from the runner) get their
-delta after the base product (Ops.linear), before rotary, SiLU-and-mul and the all-reduce.
-Such steps run eagerly (no CUDA graph); steps of base-model tokens alone are unchanged.
+Each token of a step has its adapter's slot (`LoRABatch.index`, -1: the base model) and
+gets its delta after the base product (Ops.linear), before rotary, SiLU-and-mul and the
+all-reduce: x A_all^T (every slot's ranks side by side, [tokens, slots * R]) with each token's
+other slots' columns masked to zero, times B_all^T. Fixed shapes whatever the batch mixes, so
+the CUDA graphs capture it (the slot index is one more row of their input buffers) and a step
+of base-model tokens alone runs its graph too; eagerly, such a step skips the deltas.
 """
 
 from __future__ import annotations
@@ -149,18 +152,31 @@ def _shape(module: str, c) -> tuple[int, int]:
 
 @dataclass
 class LoRAWeights:
-    """Every slot's pair of one fused projection on one rank: A [slots, R, in], B [slots,
-    out, R] (the scale in B)."""
+    """Every slot's pair of one fused projection on one rank, side by side: A [slots * R, in]
+    (slot s's rows at s * R), B [out, slots * R] (the scale in B)."""
 
     a: torch.Tensor
     b: torch.Tensor
+    rank: int  # R: a slot's rows of A (the parts' ranks stacked)
 
 
-@dataclass
 class LoRABatch:
-    """A step's adapter tokens: per slot present, the rows of its tokens (device tensors)."""
+    """The adapter slot of each token of a step ([tokens] int64 on the device, -1: the base
+    model), and the column masks made from it, once a forward for each width."""
 
-    groups: list[tuple[int, torch.Tensor]]
+    def __init__(self, index: torch.Tensor) -> None:
+        self.index = index
+        self._masks: dict = {}
+
+    def mask(self, rank: int, width: int, dtype) -> torch.Tensor:
+        """[tokens, width]: 1 where column j (slot j // rank) is the token's slot, else 0."""
+        import torch
+
+        key = (rank, width, dtype)
+        if key not in self._masks:
+            slots = torch.arange(width, device=self.index.device) // rank
+            self._masks[key] = (slots[None, :] == self.index[:, None]).to(dtype)
+        return self._masks[key]
 
 
 def attach_adapters(model, adapters: list[Adapter]) -> dict[str, int]:
@@ -200,7 +216,11 @@ def attach_adapters(model, adapters: list[Adapter]) -> dict[str, int]:
                             pb.to(device, torch.float32) * adapter.scale
                         ).to(dtype)
                     row += outs[j]
-            target.lora_weights = LoRAWeights(a, b)
+            target.lora_weights = LoRAWeights(
+                a.reshape(-1, size_in),
+                b.permute(1, 0, 2).reshape(sum(outs), -1).contiguous(),
+                len(parts) * r,
+            )
     return {adapter.name: slot for slot, adapter in enumerate(adapters)}
 
 
@@ -212,10 +232,8 @@ def _part_rows(tp, name: str, whole_rows: int, config) -> int:
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, batch: LoRABatch) -> None:
-    """y[rows] += x[rows] A_s^T B_s^T for each slot s of the batch, in place (y: the base
-    product of x, [tokens, out])."""
-    for slot, rows in batch.groups:
-        if rows is None:  # every token of the step
-            y += (x @ weights.a[slot].t()) @ weights.b[slot].t()
-        else:
-            y.index_add_(0, rows, (x[rows] @ weights.a[slot].t()) @ weights.b[slot].t())
+    """y += each token's adapter delta, in place (y: the base product of x, [tokens, out]):
+    x A^T over every slot, the other slots' columns masked, times B^T."""
+    xa = x @ weights.a.t()  # [tokens, slots * R]
+    xa *= batch.mask(weights.rank, xa.shape[1], xa.dtype)
+    y += xa @ weights.b.t()

@@ -37,6 +37,7 @@ from lantau.config import EngineConfig
 from lantau.kv_cache.manager import cdiv
 from lantau.model.forward_context import AttentionMetadata, ForwardContext
 from lantau.model.llama import LlamaForCausalLM
+from lantau.model.lora import LoRABatch
 from lantau.runner.step_inputs import StepInputs
 from lantau.sampling.sampler import greedy_pick
 
@@ -64,19 +65,23 @@ def graph_logits_bytes(config: EngineConfig, model: LlamaForCausalLM) -> int:
 
 class GraphInputs:
     """One turn's input buffer (one copy a step): input ids, positions, slots, pending source
-    row (-1: the host's id) as int64 [4, n]; then int32 sequence lengths [n], then the block
-    table rows [n, max_blocks]; views of each, and the turn's graphs."""
+    row (-1: the host's id) and, with LoRA adapters, each row's adapter slot (-1: none) as
+    int64 [4 or 5, n]; then int32 sequence lengths [n], then the block table rows [n,
+    max_blocks]; views of each, and the turn's graphs."""
 
     def __init__(
-        self, n: int, max_blocks: int, vocab_size: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.bytes64 = 8 * 4 * n
+        self, n: int, max_blocks: int, vocab_size: int, dtype: torch.dtype, device: torch.device,
+        lora: bool = False,
+    ) -> None:  # fmt: skip
+        self.rows64 = 5 if lora else 4
+        self.bytes64 = 8 * self.rows64 * n
         self.buffer = torch.zeros(
             self.bytes64 + 4 * n * (1 + max_blocks), dtype=torch.uint8, device=device
         )
         ids64, ids32 = self.views(self.buffer)
-        ids64[3].fill_(-1)
-        self.input_ids, self.positions, self.slot_mapping, self.pending_src = ids64.unbind(0)
+        ids64[3:].fill_(-1)
+        self.input_ids, self.positions, self.slot_mapping, self.pending_src = ids64[:4].unbind(0)
+        self.lora_index = ids64[4] if lora else None
         self.seq_lens = ids32[:n]
         self.block_tables = ids32[n:].view(n, max_blocks)
         # the logits of every graph of the turn, each its first rows: a turn's replays never
@@ -93,7 +98,7 @@ class GraphInputs:
 
     def views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The int64 [4, n] and int32 views of a buffer laid out as this one (or this one)."""
-        ids64 = buffer[: self.bytes64].view(torch.int64).view(4, -1)
+        ids64 = buffer[: self.bytes64].view(torch.int64).view(self.rows64, -1)
         return ids64, buffer[self.bytes64 :].view(torch.int32)
 
 
@@ -118,7 +123,10 @@ class CudaGraphRunner:
         assert len(token_ids) == 2, "one ids buffer a turn"
         self.token_ids = token_ids
         vocab_size, dtype = model.lm_head.weight.shape[0], model.lm_head.weight.dtype
-        self.turns = [GraphInputs(n, self.max_blocks, vocab_size, dtype, device) for _ in token_ids]
+        lora = bool(getattr(model, "lora_slots", None))  # each row's adapter slot staged too
+        self.turns = [
+            GraphInputs(n, self.max_blocks, vocab_size, dtype, device, lora) for _ in token_ids
+        ]
         # turn 0's views and graphs under their plain names (what the benchmarks time)
         first = self.turns[0]
         self.buffer, self.graphs, self.short_graphs = first.buffer, first.graphs, first.short_graphs
@@ -152,6 +160,8 @@ class CudaGraphRunner:
             max_seq_len=max_seq_len,  # an upper bound: kernels read true lengths
         )
         ctx = ForwardContext(meta, self.kv_caches, inp.positions[:bs])
+        if inp.lora_index is not None:
+            ctx.lora = LoRABatch(inp.lora_index[:bs])
         pick = (inp.pending_src[:bs], self.token_ids[1 - turn])  # input tokens picked on device
         return self.model.decode_logits(inp.input_ids[:bs], ctx, pick, out=inp.logits)
 
@@ -185,6 +195,8 @@ class CudaGraphRunner:
         ids[2, n:bs] = -1  # padding rows write no KV
         ids[3, :bs] = -1
         ids[3, inputs.pending_rows] = inputs.pending_src
+        if inp.lora_index is not None:
+            ids[4, :n], ids[4, n:bs] = inputs.lora_index, -1
         lens = host32.numpy()
         lens[:n] = inputs.seq_lens
         lens[n:bs] = 1  # padding rows: one valid slot to read

@@ -26,6 +26,7 @@ from lantau.config import EngineConfig
 from lantau.kv_cache.manager import cdiv
 from lantau.model.forward_context import AttentionMetadata, ForwardContext
 from lantau.model.llama import LlamaForCausalLM
+from lantau.model.lora import LoRABatch
 from lantau.runner.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -56,30 +57,36 @@ class MixedGraphRunner:
         self.max_tokens = self.buckets[-1]
         self.max_reqs = min(self.max_tokens, sched.max_num_seqs)
         self.max_blocks = cdiv(sched.max_model_len, config.cache.block_size)
-        # int64 input ids, positions, slots [3, max_tokens]; then int32 query_start_loc
-        # [max_reqs + 1], seq_lens [max_reqs], block tables [max_reqs, max_blocks]
-        self.bytes64 = 8 * 3 * self.max_tokens
+        # int64 input ids, positions, slots and, with LoRA adapters, each token's adapter slot
+        # [3 or 4, max_tokens]; then int32 query_start_loc [max_reqs + 1], seq_lens
+        # [max_reqs], block tables [max_reqs, max_blocks]
+        self.lora = bool(getattr(model, "lora_slots", None))
+        self.rows64 = 4 if self.lora else 3
+        self.bytes64 = 8 * self.rows64 * self.max_tokens
         size = self.bytes64 + 4 * (2 * self.max_reqs + 1 + self.max_reqs * self.max_blocks)
         self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
         (
-            self.input_ids, self.positions, self.slot_mapping,
+            self.input_ids, self.positions, self.slot_mapping, self.lora_index,
             self.query_start_loc, self.seq_lens, self.block_tables,
         ) = self._views(self.buffer)  # fmt: skip
         # two pinned host copies, used in turn: one is restaged only once its copy is done
         pin = device.type == "cuda"
         self._host = [torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         # each host copy's numpy views, made once: staging writes through them every step
-        self._host_views = [tuple(v.numpy() for v in self._views(h)) for h in self._host]
+        self._host_views = [
+            tuple(None if v is None else v.numpy() for v in self._views(h)) for h in self._host
+        ]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ids64 = buffer[: self.bytes64].view(torch.int64).view(3, -1)
+        ids64 = buffer[: self.bytes64].view(torch.int64).view(self.rows64, -1)
         ids32 = buffer[self.bytes64 :].view(torch.int32)
         r = self.max_reqs
         tables = ids32[2 * r + 1 :].view(r, self.max_blocks)
-        return (*ids64.unbind(0), ids32[: r + 1], ids32[r + 1 : 2 * r + 1], tables)
+        lora = ids64[3] if self.lora else None
+        return (*ids64[:3].unbind(0), lora, ids32[: r + 1], ids32[r + 1 : 2 * r + 1], tables)
 
     def can_run(self, inputs: StepInputs) -> bool:
         return inputs.max_query_len > 1 and len(inputs.input_ids) <= self.max_tokens
@@ -105,6 +112,8 @@ class MixedGraphRunner:
             max_seq_len=self.max_seq_len,
         )
         ctx = ForwardContext(meta, self.kv_caches, self.positions[:num_tokens])
+        if self.lora:
+            ctx.lora = LoRABatch(self.lora_index[:num_tokens])
         return self.model(self.input_ids[:num_tokens], ctx)
 
     @torch.inference_mode()
@@ -113,6 +122,8 @@ class MixedGraphRunner:
         overlap); returns the pool."""
         # inputs that make each capture's warm-up a no-op on the cache: no keys, no KV writes
         self.slot_mapping.fill_(-1)
+        if self.lora:
+            self.lora_index.fill_(-1)
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
         for t in reversed(self.buckets):
@@ -134,9 +145,11 @@ class MixedGraphRunner:
         host = self._host[self._turn]
         if self._copied[self._turn] is not None:
             self._copied[self._turn].synchronize()  # two steps ago: long done
-        ids, pos, slots, qsl, lens, tables = self._host_views[self._turn]
+        ids, pos, slots, lora, qsl, lens, tables = self._host_views[self._turn]
         n, k, r = len(inputs.input_ids), inputs.num_reqs, min(num_tokens, self.max_reqs)
         ids[:n], pos[:n], slots[:n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        if lora is not None:
+            lora[:n], lora[n:num_tokens] = inputs.lora_index, -1
         ids[n:num_tokens] = pos[n:num_tokens] = 0
         slots[n:num_tokens] = -1  # padding tokens write no KV
         qsl[: k + 1] = inputs.query_start_loc

@@ -360,25 +360,17 @@ class ModelRunner:
             np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, query_start_loc,
             seq_lens, block_tables, sample_ids, np.asarray(logits_indices, dtype=np.int64),
             np.asarray(pending_rows, dtype=np.int64), np.asarray(pending_src, dtype=np.int64),
-            self._lora_rows(scheduled, query_start_loc) if self.lora_slots else None,
+            self._lora_index(scheduled, counts) if self.lora_slots else None,
         )  # fmt: skip
 
-    def _lora_rows(self, scheduled, query_start_loc: np.ndarray):
-        """StepInputs.lora_rows: each adapter's rows in the step (None: none has any)."""
-        rows: dict[int, list[np.ndarray]] = {}
-        for i, (request_id, _) in enumerate(scheduled):
-            name = self.states[request_id].params.lora
-            if name is not None:
-                span = np.arange(query_start_loc[i], query_start_loc[i + 1], dtype=np.int64)
-                rows.setdefault(self.lora_slots[name], []).append(span)
-        if not rows:
-            return None
-        total = int(query_start_loc[-1])
-        groups = []
-        for slot, spans in rows.items():
-            joined = np.concatenate(spans)
-            groups.append((slot, None if len(joined) == total else joined))
-        return groups
+    def _lora_index(self, scheduled, counts: np.ndarray) -> np.ndarray:
+        """StepInputs.lora_index: each token's adapter slot (-1: the base model)."""
+        slots = np.fromiter(
+            (self.lora_slots.get(self.states[request_id].params.lora, -1)
+             for request_id, _ in scheduled),
+            dtype=np.int64, count=len(scheduled),
+        )  # fmt: skip
+        return np.repeat(slots, counts)
 
     def fill_pending(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
         """Write the tokens the previous step sampled into this step's device input ids."""
@@ -401,10 +393,8 @@ class ModelRunner:
             max_seq_len=int(inputs.seq_lens.max()),
         )
         ctx = ForwardContext(meta, self.kv_caches, tensor(inputs.positions))
-        if inputs.lora_rows is not None:
-            ctx.lora = LoRABatch(
-                [(slot, None if rows is None else tensor(rows)) for slot, rows in inputs.lora_rows]
-            )
+        if inputs.lora_index is not None and inputs.lora_index.max() >= 0:
+            ctx.lora = LoRABatch(tensor(inputs.lora_index))  # eagerly: none without adapters
         input_ids = tensor(inputs.input_ids)
         self.fill_pending(input_ids, inputs)
         return input_ids, ctx
@@ -502,19 +492,18 @@ class ModelRunner:
         inputs = self._prepare_inputs(out)
         num_sample, greedy_ids = len(inputs.sample_ids), None
         found = self._prompt_logprob_rows(out, inputs) if self.collecting_prompt_logprobs else []
-        graphs_ok = inputs.lora_rows is None  # an adapter's step runs eagerly
-        if graphs_ok and not found and self.graphs is not None and self.graphs.can_run(inputs):
+        if not found and self.graphs is not None and self.graphs.can_run(inputs):
             # the turn: the ids buffer this step writes, the one the last sampling step did not
             logits, greedy_ids = self.graphs.run(inputs, 1 - self._last)
             logits, greedy_ids = logits[:num_sample], greedy_ids[:num_sample]
         elif found:  # a rare step: its prompt positions' logprobs too, for which the host waits
-            if graphs_ok and self.mixed_graphs is not None and self.mixed_graphs.can_run(inputs):
+            if self.mixed_graphs is not None and self.mixed_graphs.can_run(inputs):
                 hidden = self._mixed_graph_forward(inputs)
             else:
                 hidden = self._forward(inputs)
             logits = self._sample_logits(hidden, inputs)
             self._collect_prompt_logprobs(hidden, found)
-        elif graphs_ok and self.mixed_graphs is not None and self.mixed_graphs.can_run(inputs):
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(inputs):
             logits = self._mixed_graph_logits(inputs)
         else:
             logits = self._forward_logits(inputs)

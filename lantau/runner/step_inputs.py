@@ -24,9 +24,9 @@ class StepInputs:
     # that token's row in the previous step's sampled ids
     pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    # LoRA adapters' tokens: (slot, its rows; None: every row) per adapter of the step, or
-    # None for a step of base-model tokens alone (lantau/model/lora.py)
-    lora_rows: list[tuple[int, np.ndarray | None]] | None = None
+    # [num_tokens] int64: each token's LoRA adapter slot, -1 for the base model; None for an
+    # engine without adapters (lantau/model/lora.py)
+    lora_index: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:
