@@ -306,7 +306,7 @@ def serve(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     names = set(args.served_model_name or [args.model or "SmolLM2-135M-Instruct"])
-    problem = _lora_problem(args.lora_modules, names, repository is not None)
+    problem = _lora_problem(args.lora_modules or args.max_loras, names, repository is not None)
     if problem:
         print(f"lantau serve: {problem}", file=sys.stderr)
         return 2
@@ -354,6 +354,7 @@ def serve(args: argparse.Namespace) -> int:
         generation_config=args.generation_config,
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         **cors,
         tls=tls,
     )
@@ -386,6 +387,8 @@ def serve_engine_args(args: argparse.Namespace) -> dict:
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         lora_modules=tuple(args.lora_modules or ()),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         **engine_options(args),
     )
     if args.max_num_batched_tokens is None and args.enable_chunked_prefill:
@@ -404,7 +407,7 @@ def _lora_problem(specs, served_names: set[str], repository: bool) -> str | None
     from lantau.model.lora import parse_lora_modules
 
     try:
-        modules = parse_lora_modules(specs)
+        modules = parse_lora_modules(specs if isinstance(specs, list) else ())
     except ValueError as e:
         return str(e)
     taken = sorted({name for name, _ in modules} & served_names)
@@ -707,7 +710,23 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-lora",
         action="store_true",
-        help="accepted for vLLM's command lines: the adapters are --lora-modules'",
+        help="accepted for vLLM's command lines: the adapters are --lora-modules' (and "
+        "--max-loras' slots)",
+    )
+    p.add_argument("--max-loras", type=int, default=0,
+                   help="adapter slots (default: one a --lora-modules adapter); more leave room "
+                        "for /v1/load_lora_adapter")  # fmt: skip
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=0,
+        help="the largest rank a slot holds (default: the modules' largest, else 16)",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (off: a client cannot "
+        "make the server read a path of its choosing)",
     )
     p.add_argument(
         "--model-repository", default=None, help="a Triton-style repository: REPO/NAME/VERSION"

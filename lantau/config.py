@@ -258,6 +258,8 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)  # the triton backend's
     # LoRA adapters served beside the model, (name, PEFT folder) each (lantau/model/lora.py)
     lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 0  # adapter slots (0: one a module); more: room to load at runtime
+    max_lora_rank: int = 0  # 0: the modules' largest rank (16 without modules)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

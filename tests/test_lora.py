@@ -288,3 +288,128 @@ def test_graph_steps_with_adapters_match_eager(tiny_llama_dir, adapters):
     # batches that mixed adapters with the base model ran through the graphs' passes
     assert any(-1 in slots and len(slots) > 1 for _, slots in checked), checked
     check_clean(llm)
+
+
+def test_adapters_load_and_unload_at_runtime(tiny_llama_dir, adapters):
+    """Free slots (max_loras) take adapters while the engine runs: one loaded at runtime
+    gives the tokens of an engine started with it; one in use, unknown, too large a rank or
+    without a free slot is refused and nothing changes; an adapter loaded again under an
+    unloaded one's name never meets that one's cached blocks."""
+    common = dict(device="cpu", dtype="float32", num_kv_blocks=64)
+    prompt = {"prompt_token_ids": list(range(10, 60))}
+
+    def run(llm, lora):
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora=lora)
+        out = llm.generate(prompt, params)[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    want_all = run(LLM(str(tiny_llama_dir), lora_modules=[f"all={adapters['all']}"], **common),
+                   "all")[0]  # fmt: skip
+    want_qv = run(LLM(str(tiny_llama_dir), lora_modules=[f"qv={adapters['qv']}"], **common),
+                  "qv")[0]  # fmt: skip
+    llm = LLM(str(tiny_llama_dir), max_loras=1, max_lora_rank=8, **common)
+    core = llm.engine.core
+    with pytest.raises(InvalidRequestError, match="'x' is not a LoRA adapter"):
+        run(llm, "x")
+    core.load_adapter("x", str(adapters["all"]))
+    assert run(llm, "x") == (want_all, 0)
+    assert run(llm, "x") == (want_all, 48)  # its own blocks serve it
+    with pytest.raises(ValueError, match="all 1 slots are taken"):
+        core.load_adapter("y", str(adapters["qv"]))
+    llm.engine.add_request("busy", prompt, SamplingParams(max_tokens=2, lora="x"))
+    with pytest.raises(ValueError, match="'x' is in use by 1 request"):
+        core.unload_adapter("x")
+    while llm.engine.has_unfinished_requests:
+        llm.engine.step()
+    core.unload_adapter("x")
+    with pytest.raises(ValueError, match="'x' is not loaded"):
+        core.unload_adapter("x")
+    core.load_adapter("x", str(adapters["qv"]))  # another adapter under the same name
+    assert run(llm, "x") == (want_qv, 0)  # the old x's cached blocks are not its
+    check_clean(llm)
+    small = LLM(str(tiny_llama_dir), max_loras=1, max_lora_rank=4, **common)
+    with pytest.raises(ValueError, match="rank 8 is over the engine's max_lora_rank 4"):
+        small.engine.core.load_adapter("q", str(adapters["qv"]))
+    with pytest.raises(ModelLoadError, match="no adapter_config.json"):
+        small.engine.core.load_adapter("q", "/nonexistent")
+    with pytest.raises(ValueError, match="no LoRA adapter slots"):
+        LLM(str(tiny_llama_dir), **common).engine.core.load_adapter("q", str(adapters["qv"]))
+
+
+def test_runtime_adapters_on_two_ranks(tiny_llama_dir, adapters):
+    """An adapter loaded at runtime reaches every rank (its slices in each): the split
+    engine's tokens with it are the one-rank engine's."""
+    common = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_loras=2)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, seed=8, max_len=30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora=name)
+              for name in ("all", None)]  # fmt: skip
+
+    def run(llm) -> list[list[int]]:
+        llm.engine.core.load_adapter("all", str(adapters["all"]))
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    split = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **common)
+    tokens = run(split)
+    del split
+    assert tokens == run(LLM(str(tiny_llama_dir), **common))
+
+
+def test_served_runtime_adapter_updates(served_dir, adapters):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter on a real server: a loaded
+    adapter is listed and answers under its name (the offline engine's text with it), a bad
+    one is a 400 with the reason, an unloaded one is gone (404); a server without
+    --allow-runtime-lora-updating refuses both routes."""
+    import httpx
+    import openai
+
+    from tests.servers import lantau_serve
+
+    prompt = random_prompts(1, seed=4, max_len=20)[0]
+    offline = LLM(str(served_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+                  lora_modules=[f"qv={adapters['qv']}"])  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora="qv")
+    want = offline.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].text
+    flags = ("--dtype", "float32", "--served-model-name", "base", "--max-loras", "1",
+             "--max-lora-rank", "8", "--allow-runtime-lora-updating")  # fmt: skip
+    with lantau_serve(str(served_dir), *flags) as (base, _):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+        def post(route, **body):
+            return httpx.post(f"{base}/v1/{route}_lora_adapter", json=body, timeout=60)
+
+        def complete(model):
+            return client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=6,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
+
+        reply = post("load", lora_name="qv", lora_path=str(adapters["qv"]))
+        assert reply.status_code == 200, reply.text
+        assert reply.text == "Success: LoRA adapter 'qv' added successfully."
+        assert {m.id for m in client.models.list().data} == {"base", "qv"}
+        assert complete("qv").choices[0].text == want
+        for body, status, message in [
+            (dict(lora_name="more", lora_path=str(adapters["all"])), 400, "all 1 slots are taken"),
+            (dict(lora_name="qv", lora_path=str(adapters["all"])), 400, "'qv' is served already"),
+            (dict(lora_name="base", lora_path=str(adapters["all"])), 400, "served already"),
+            (dict(lora_name="z"), 400, "lora_path"),
+        ]:  # fmt: skip
+            reply = post("load", **body)
+            assert reply.status_code == status and message in reply.text, reply.text
+        assert post("unload", lora_name="nope").status_code == 404
+        reply = post("unload", lora_name="qv")
+        assert reply.status_code == 200 and "removed successfully" in reply.text
+        with pytest.raises(openai.NotFoundError):
+            complete("qv")
+        reply = post("load", lora_name="bad", lora_path="/nonexistent")
+        assert reply.status_code == 400 and "no adapter_config.json" in reply.text
+    with lantau_serve(str(served_dir), "--max-loras", "1") as (base, _):
+        reply = httpx.post(
+            f"{base}/v1/load_lora_adapter",
+            timeout=60,
+            json={"lora_name": "qv", "lora_path": str(adapters["qv"])},
+        )
+        assert reply.status_code == 404 and "--allow-runtime-lora-updating" in reply.text

@@ -48,10 +48,14 @@ def build_engine_config(
     async_scheduling: bool = True,
     kernels: KernelConfig | None = None,
     lora_modules=(),
+    max_loras: int = 0,
+    max_lora_rank: int = 0,
 ) -> tuple[EngineConfig, ModelSource]:
     """The frozen EngineConfig and the model source, from user-facing arguments. `kernels`:
     the triton backend's choices (default: KernelConfig's, PDL as LANTAU_PDL says);
     `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" (e4m3, twice the tokens)."""
+    if max_loras < 0 or max_lora_rank < 0:
+        raise ValueError("max_loras and max_lora_rank: at least 0")
     source = resolve_model_source(model)
     # an engine folder's manifest, read once: its model, its ranks and its dtype
     manifest = read_manifest(source.path) if source.kind == "engine" else None
@@ -88,6 +92,8 @@ def build_engine_config(
         async_scheduling=async_scheduling,
         kernels=kernels or KernelConfig(enable_pdl=envs.pdl_enabled()),
         lora_modules=parse_lora_modules(lora_modules),
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
         cache=CacheConfig(
             block_size=block_size,
             num_blocks=num_kv_blocks,

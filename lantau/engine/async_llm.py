@@ -33,6 +33,7 @@ from lantau.engine.protocol import (
     AddRequests,
     CoreOutputs,
     CoreReady,
+    LoadAdapter,
     NewRequest,
     StepStats,
 )
@@ -153,6 +154,9 @@ class AsyncLLM:
         self.awaiting_first: set[str] = set()  # requests that have had no output yet
         self.timings: dict[str, RequestTiming] = {}  # requests in flight, when metrics are on
         self.stats = StepStats()
+        # LoRA adapters served now (the start-up ones, then as loads and unloads succeed)
+        self.lora_names: list[str] = [name for name, _ in config.lora_modules]
+        self._adapter_calls: dict[str, asyncio.Future] = {}
         self.last_report = 0.0  # time.monotonic() of the core's last message
         self.last_progress = 0.0  # ... of its last message while requests were in flight
         self.num_blocks = 0
@@ -397,6 +401,28 @@ class AsyncLLM:
     async def _send(self, msg) -> None:
         await self._in.send(self._encoder.encode(msg))
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """A PEFT LoRA adapter into a free slot of the engine, served from then on under
+        `name` (ValueError: why not: no slot, a name taken, an adapter that does not fit)."""
+        await self._adapter_call(name, path)
+        self.lora_names.append(name)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """The adapter out of its slot (ValueError: unknown, or requests still use it)."""
+        await self._adapter_call(name, "")
+        self.lora_names.remove(name)
+
+    async def _adapter_call(self, name: str, path: str) -> None:
+        call_id = f"adapter-{time.monotonic_ns()}"
+        done = self._adapter_calls[call_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(LoadAdapter(call_id, name, path))
+            error = await done
+        finally:
+            self._adapter_calls.pop(call_id, None)
+        if error:
+            raise ValueError(error)
+
     async def _output_loop(self) -> None:
         try:
             while True:
@@ -414,6 +440,10 @@ class AsyncLLM:
         self.stats = msg.stats
         for child_id, error in msg.rejected.items():
             self._reject(child_id, error)
+        for call_id, error in msg.adapter_calls.items():
+            call = self._adapter_calls.get(call_id)
+            if call is not None and not call.done():
+                call.set_result(error)
         if msg.gc_pauses and self.metrics is not None:
             self.metrics.record_core_gc(msg.gc_pauses)
         if self.timings:
@@ -482,6 +512,9 @@ class AsyncLLM:
         self.dead = reason
         for queue in list(self.queues.values()):
             queue.put_nowait(EngineDeadError(reason))
+        for call in self._adapter_calls.values():  # no answer is coming
+            if not call.done():
+                call.set_result(reason)
 
     def _reject(self, child_id: str, error: str) -> None:
         request_id = child_id.rsplit("#", 1)[0]

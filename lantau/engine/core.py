@@ -91,6 +91,8 @@ class EngineCore:
             load=not background,
             tp=tp,
             lora_modules=config.lora_modules,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
         )
         if self.workers is not None:
             self.workers.wait_built()
@@ -198,6 +200,28 @@ class EngineCore:
         self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT
     ) -> None:
         self.scheduler.finish_requests(request_ids, reason)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """A LoRA adapter into a free slot, on every rank (ModelLoadError or ValueError: why
+        not; nothing changes then)."""
+        from lantau.model.lora import NAME
+
+        if self.runner.adapter_slots is None:
+            raise ValueError("this engine has no LoRA adapter slots (--max-loras)")
+        if not NAME.match(name):
+            raise ValueError(f"lora adapter {name!r}: a name of letters, digits, . _ : -")
+        self.runner.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """A LoRA adapter out of its slot (ValueError: unknown, or requests still use it)."""
+        if name not in self.runner.lora_slots:
+            raise ValueError(f"lora adapter {name!r} is not loaded")
+        users = [r for r in self.scheduler.requests.values() if r.sampling_params.lora == name]
+        if users:
+            raise ValueError(f"lora adapter {name!r} is in use by {len(users)} request(s)")
+        self.runner.unload_adapter(name)
+        # its cached blocks stay unreachable: a later adapter of this name hashes apart
+        self.kv_cache.lora_epochs[name] = self.kv_cache.lora_epochs.get(name, 0) + 1
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix not in use; returns the number of blocks forgotten."""

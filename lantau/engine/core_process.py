@@ -26,9 +26,10 @@ from lantau.engine.protocol import (
     CoreOutputs,
     CoreReady,
     FrontendMessage,
+    LoadAdapter,
     StepStats,
 )
-from lantau.errors import InvalidRequestError
+from lantau.errors import InvalidRequestError, ModelLoadError
 from lantau.metrics.gc_pauses import GcPauses, freeze_startup_heap
 
 if TYPE_CHECKING:  # NOTE: imported by the frontend; torch loads only in the core process
@@ -185,12 +186,13 @@ def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock, pauses: GcPause
     last_sent = 0.0
     while os.getppid() == parent:
         rejected: dict[str, str] = {}
+        calls: dict[str, str] = {}  # LoadAdapter call id -> "" or why not
         # late scheduling: take requests until the step in flight nearly ends (pacer.py)
         due = core.schedule_at() if core.has_unfinished_requests else None
         arrived = False
         while due is not None and (remaining := due - time.monotonic()) > 0:
             if in_sock.poll(int(remaining * 1000)):
-                _handle(core, decoder.decode(in_sock.recv()), rejected, received)
+                _handle(core, decoder.decode(in_sock.recv()), rejected, received, calls)
                 if not arrived:  # the next step has prompt tokens: it takes the host longer
                     arrived = True
                     due = core.schedule_at(arrived=True)
@@ -198,7 +200,7 @@ def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock, pauses: GcPause
                 time.sleep(remaining)
         timeout_ms = 0 if core.has_unfinished_requests else int(HEARTBEAT_S * 1000)
         while in_sock.poll(timeout_ms):
-            _handle(core, decoder.decode(in_sock.recv()), rejected, received)
+            _handle(core, decoder.decode(in_sock.recv()), rejected, received, calls)
             timeout_ms = 0
         outputs = []
         if core.has_unfinished_requests:
@@ -211,11 +213,11 @@ def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock, pauses: GcPause
             if delay is not None:
                 delay.sleep()
         now = time.monotonic()
-        if outputs or rejected or now - last_sent >= HEARTBEAT_S:
+        if outputs or rejected or calls or now - last_sent >= HEARTBEAT_S:
             stats = core_stats(core, clock)
             message = CoreOutputs(
                 outputs, stats, rejected, scheduled, received, pauses.drain(),
-                core.scheduler.take_prompt_logprobs(),
+                core.scheduler.take_prompt_logprobs(), calls,
             )  # fmt: skip
             out_sock.send(encoder.encode(message))
             scheduled, received, last_sent = {}, {}, now
@@ -242,7 +244,10 @@ def exit_with_parent(parent: int, poll_s: float = 0.2) -> None:
     os._exit(0)
 
 
-def _handle(core: EngineCore, msg, rejected: dict[str, str], received: dict[str, float]) -> None:
+def _handle(
+    core: EngineCore, msg, rejected: dict[str, str], received: dict[str, float],
+    calls: dict[str, str],
+) -> None:  # fmt: skip
     if isinstance(msg, AddRequests):
         received.update(dict.fromkeys((new.request_id for new in msg.requests), time.monotonic()))
         for new in msg.requests:
@@ -252,3 +257,12 @@ def _handle(core: EngineCore, msg, rejected: dict[str, str], received: dict[str,
                 rejected[new.request_id] = str(e)
     elif isinstance(msg, AbortRequests):
         core.abort_requests(msg.request_ids, msg.reason)
+    elif isinstance(msg, LoadAdapter):
+        try:
+            if msg.path:
+                core.load_adapter(msg.name, msg.path)
+            else:
+                core.unload_adapter(msg.name)
+            calls[msg.call_id] = ""
+        except (ModelLoadError, ValueError) as e:
+            calls[msg.call_id] = str(e)

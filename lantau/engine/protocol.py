@@ -1,8 +1,8 @@
 """Messages between the frontend and the engine-core process (msgspec over ZeroMQ).
 
-Frontend -> core: AddRequests, AbortRequests. Core -> frontend: CoreOutputs, one per step
-(only the requests that advanced: diffs, not whole states), and one at least every second so
-the frontend's watchdog sees the core is alive.
+Frontend -> core: AddRequests, AbortRequests, LoadAdapter. Core -> frontend: CoreOutputs, one
+per step (only the requests that advanced: diffs, not whole states), and one at least every
+second so the frontend's watchdog sees the core is alive.
 """
 
 from __future__ import annotations
@@ -53,6 +53,15 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True):
     reason: FinishReason = FinishReason.ABORT
 
 
+class LoadAdapter(msgspec.Struct, tag=True, array_like=True):
+    """A LoRA adapter into a free slot at runtime (path "": unload it); the core answers in
+    CoreOutputs.adapter_calls under `call_id`."""
+
+    call_id: str
+    name: str
+    path: str = ""
+
+
 @dataclass
 class StepStats:
     """The core's state after a step: for readiness, metrics and the web page."""
@@ -91,6 +100,8 @@ class CoreOutputs(msgspec.Struct, array_like=True):
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = msgspec.field(
         default_factory=dict
     )
+    # LoadAdapter call id -> "" done, else why not
+    adapter_calls: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class CoreReady(msgspec.Struct, array_like=True):
@@ -100,4 +111,4 @@ class CoreReady(msgspec.Struct, array_like=True):
     startup_s: dict[str, float] = {}  # seconds of each start-up stage (EngineCore.startup_s)
 
 
-FrontendMessage = AddRequests | AbortRequests
+FrontendMessage = AddRequests | AbortRequests | LoadAdapter

@@ -70,11 +70,16 @@ class UseCopyStreams(msgspec.Struct, tag=True, array_like=True):
     on: bool
 
 
+class Adapter(msgspec.Struct, tag=True, array_like=True):
+    name: str
+    path: str  # "": unload
+
+
 class Stop(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-WorkerMessage = Launch | Sample | Collect | CaptureCudaGraphs | UseCopyStreams | Stop
+WorkerMessage = Launch | Sample | Collect | CaptureCudaGraphs | UseCopyStreams | Adapter | Stop
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -269,6 +274,14 @@ class SplitRunner:
         self.workers.send(UseCopyStreams(on))
         self.runner.use_copy_streams(on)
 
+    def load_adapter(self, name: str, path: str) -> None:
+        self.runner.load_adapter(name, path)  # rank 0 first: a bad adapter stops here
+        self.workers.send(Adapter(name, path))
+
+    def unload_adapter(self, name: str) -> None:
+        self.runner.unload_adapter(name)
+        self.workers.send(Adapter(name, ""))
+
 
 def run_worker(
     config: EngineConfig, source, rank: int, address: str, pipe: Connection, parent: int
@@ -292,6 +305,7 @@ def run_worker(
             source, config.model_config, getattr(torch, config.dtype), device, config.seed,
             ops=config.attention_backend, max_positions=config.scheduler.max_model_len,
             kernels=config.kernels, tp=tp, lora_modules=config.lora_modules,
+            max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
         )  # fmt: skip
     except Exception as e:  # reported: rank 0 stops waiting and fails its start with it
         pipe.send(("error", f"{type(e).__name__}: {e}"))
@@ -334,5 +348,10 @@ def _serve_rank_zero(runner, pipe: Connection) -> None:
             runner.capture_cuda_graphs()
         elif isinstance(msg, UseCopyStreams):
             runner.use_copy_streams(msg.on)
+        elif isinstance(msg, Adapter):
+            if msg.path:
+                runner.load_adapter(msg.name, msg.path)
+            else:
+                runner.unload_adapter(msg.name)
         else:  # Stop
             return

@@ -29,6 +29,9 @@ class KVCacheManager:
         # Chained hashes of each request's full blocks, computed once per block.
         self.req_to_hashes: dict[str, list[int]] = {}
         self.req_to_num_hashed: dict[str, int] = {}  # leading blocks already published
+        # LoRA adapter name -> how many times an adapter of that name was unloaded: a name
+        # loaded again is another adapter, whose blocks must not meet the old one's
+        self.lora_epochs: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -47,7 +50,7 @@ class KVCacheManager:
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else _root(request)
+            parent = hashes[-1] if hashes else self._root(request)
             hashes.append(hash_block(parent, self._block_tokens(request, i)))
         return hashes[:num_full_blocks]
 
@@ -57,8 +60,19 @@ class KVCacheManager:
         tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
         params = request.sampling_params
         if i == 0 and (params.cache_salt is not None or params.lora is not None):
-            return (params.lora, params.cache_salt, *tokens)
+            return (self._lora_key(params.lora), params.cache_salt, *tokens)
         return tokens
+
+    def _lora_key(self, lora: str | None) -> tuple | None:
+        return None if lora is None else (lora, self.lora_epochs.get(lora, 0))
+
+    def _root(self, request: Request) -> int | None:
+        """Where a request's chain of block hashes starts: its LoRA adapter's (an adapter's
+        keys and values are not the base model's) and its cache salt's, or none."""
+        params = request.sampling_params
+        if params.cache_salt is None and params.lora is None:
+            return None
+        return hash(("cache_salt", self._lora_key(params.lora), params.cache_salt))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest cached prefix of full blocks, and its token count.
@@ -150,12 +164,3 @@ class KVCacheManager:
                 f"block {block.block_id}: ref_count {block.ref_count}, "
                 f"held by {expected[block.block_id]} tables"
             )
-
-
-def _root(request: Request) -> int | None:
-    """Where a request's chain of block hashes starts: its LoRA adapter's and its cache
-    salt's (an adapter's keys and values are not the base model's), or none."""
-    params = request.sampling_params
-    if params.cache_salt is None and params.lora is None:
-        return None
-    return hash(("cache_salt", params.lora, params.cache_salt))

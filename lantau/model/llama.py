@@ -161,6 +161,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ops: Ops = make_ops(ops, kernels)
         self.lora_slots: dict[str, int] = {}  # LoRA adapter name -> slot (model/lora.py)
+        self.adapter_slots = None  # model/lora.py's AdapterSlots, where adapters may run
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         device = self.lm_head.weight.device
         max_positions = max_positions or config.max_position_embeddings

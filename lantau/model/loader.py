@@ -67,13 +67,16 @@ def build_model(
     load: bool = True,
     tp: TensorParallel = SINGLE,
     lora_modules: tuple[tuple[str, str], ...] = (),
+    max_loras: int = 0,
+    max_lora_rank: int = 0,
 ) -> LlamaForCausalLM:
     """The model on `device` in `dtype`, with its weights (random ones drawn there). With
     config.quantization "fp8" the decoder's linear layers are allocated in e4m3 and each
     weight is quantized on the device as it is drawn or read: no wide copy of them exists.
     `load=False`: the parameters left unset, for load_in_background. `tp`: this rank's slice
     of the model (lantau/model/parallel.py). `lora_modules`: (name, PEFT folder) adapters
-    attached beside the weights (`model.lora_slots`: name -> slot)."""
+    attached beside the weights, in `max_loras` slots (or one each) of rank up to
+    `max_lora_rank` (or theirs): `model.adapter_slots`, `model.lora_slots` (name -> slot)."""
     if config.quantization == "fp8":
         fp8.check_device(device)
     with torch.device(device), _default_dtype(dtype), _no_init():
@@ -82,7 +85,9 @@ def build_model(
     from lantau.model.lora import attach_adapters, read_adapter
 
     adapters = [read_adapter(name, path, config) for name, path in lora_modules]
-    model.lora_slots = attach_adapters(model, adapters)
+    model.adapter_slots = attach_adapters(model, adapters, max_loras, max_lora_rank)
+    if model.adapter_slots is not None:
+        model.lora_slots = model.adapter_slots.names  # the same dict: loads show in it
     if not load:
         return model
     if source.kind == "random":

@@ -179,52 +179,117 @@ class LoRABatch:
         return self._masks[key]
 
 
-def attach_adapters(model, adapters: list[Adapter]) -> dict[str, int]:
-    """Set `lora_weights` on each fused projection of `model` (this rank's slices) from
-    `adapters`, slot i the i-th; returns name -> slot."""
-    import torch
+DEFAULT_MAX_RANK = 16  # a runtime adapter's largest rank when no start-up adapter sets it
 
-    if not adapters:
-        return {}
-    config, tp = model.config, model.tp
-    device, dtype = model.lm_head.weight.device, model.model.embed_tokens.weight.dtype
-    r = max(a.rank for a in adapters)
-    for i, layer in enumerate(model.model.layers):
-        for fused, parts in PARTS.items():
-            module = layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp
-            target = getattr(module, fused)
-            prefix = f"model.layers.{i}.{'self_attn' if module is layer.self_attn else 'mlp'}"
-            size_in = target.in_features
-            outs = [_part_rows(tp, f"{prefix}.{p}.weight", _shape(p, config)[1], config)
-                    for p in parts]  # fmt: skip
-            a = torch.zeros(len(adapters), len(parts) * r, size_in, dtype=dtype, device=device)
-            b = torch.zeros(len(adapters), sum(outs), len(parts) * r, dtype=dtype, device=device)
-            for slot, adapter in enumerate(adapters):
-                row = 0
-                for j, part in enumerate(parts):
-                    pair = adapter.pairs.get((i, part))
-                    if pair is not None:
-                        pa, pb = pair
-                        name = f"{prefix}.{part}.weight"
-                        if fused in ("o_proj", "down_proj"):  # row split: A's input columns
-                            pa = tp.shard(name, pa, config)
-                        else:  # column split: B's output rows
-                            pb = tp.shard(name, pb, config)
-                        k = adapter.rank
-                        a[slot, j * r : j * r + k] = pa.to(device, dtype)
-                        b[slot, row : row + outs[j], j * r : j * r + k] = (
-                            pb.to(device, torch.float32) * adapter.scale
-                        ).to(dtype)
-                    row += outs[j]
+
+class AdapterSlots:
+    """A model's adapter slots: every fused projection's `lora_weights` sized for
+    `num_slots` adapters of rank up to `max_rank`, and which adapter holds which slot.
+    Adapters come and go at runtime (`load`, `unload`): a slot's columns are written in
+    place, so the CUDA graphs that read them stay valid."""
+
+    def __init__(self, model, num_slots: int, max_rank: int) -> None:
+        import torch
+
+        self.model, self.num_slots, self.max_rank = model, num_slots, max_rank
+        self.names: dict[str, int] = {}  # adapter -> slot
+        device, dtype = model.lm_head.weight.device, model.model.embed_tokens.weight.dtype
+        for _, _, target, parts, outs in self._projections():
+            width = num_slots * len(parts) * max_rank
             target.lora_weights = LoRAWeights(
-                a.reshape(-1, size_in),
-                b.permute(1, 0, 2).reshape(sum(outs), -1).contiguous(),
-                len(parts) * r,
+                torch.zeros(width, target.in_features, dtype=dtype, device=device),
+                torch.zeros(sum(outs), width, dtype=dtype, device=device),
+                len(parts) * max_rank,
             )
-    return {adapter.name: slot for slot, adapter in enumerate(adapters)}
+
+    def _projections(self):
+        """(layer, its attention's or MLP's name prefix, the fused module, its HF parts, each
+        part's rows on this rank), each fused projection of each layer."""
+        model = self.model
+        for i, layer in enumerate(model.model.layers):
+            for fused, parts in PARTS.items():
+                attn = fused in ("qkv_proj", "o_proj")
+                target = getattr(layer.self_attn if attn else layer.mlp, fused)
+                prefix = f"model.layers.{i}.{'self_attn' if attn else 'mlp'}"
+                outs = [
+                    _part_rows(model.tp, f"{prefix}.{p}.weight", _shape(p, model.config)[1])
+                    for p in parts
+                ]
+                yield i, prefix, target, parts, outs
+
+    def load(self, adapter: Adapter) -> int:
+        """`adapter` into a free slot (ValueError: its name is taken, its rank too large, no
+        slot free); returns the slot."""
+        if adapter.name in self.names:
+            raise ValueError(f"lora adapter {adapter.name!r} is already loaded")
+        if adapter.rank > self.max_rank:
+            raise ValueError(
+                f"lora adapter {adapter.name!r}: rank {adapter.rank} is over the engine's "
+                f"max_lora_rank {self.max_rank}"
+            )
+        free = sorted(set(range(self.num_slots)) - set(self.names.values()))
+        if not free:
+            raise ValueError(
+                f"lora adapter {adapter.name!r}: all {self.num_slots} slots are taken "
+                "(--max-loras); unload one first"
+            )
+        self._write(free[0], adapter)
+        self.names[adapter.name] = free[0]
+        return free[0]
+
+    def unload(self, name: str) -> None:
+        slot = self.names.pop(name)
+        self._write(slot, None)
+
+    def _write(self, slot: int, adapter: Adapter | None) -> None:
+        """Slot `slot`'s columns of every projection: the adapter's pairs (this rank's
+        slices, the scale in B), or zeros."""
+        import torch
+
+        model, r = self.model, self.max_rank
+        config, tp = model.config, model.tp
+        for i, prefix, target, parts, outs in self._projections():
+            w = target.lora_weights
+            cols = slice(slot * w.rank, (slot + 1) * w.rank)
+            w.a[cols].zero_()
+            w.b[:, cols].zero_()
+            if adapter is None:
+                continue
+            row = 0
+            for j, part in enumerate(parts):
+                pair = adapter.pairs.get((i, part))
+                if pair is not None:
+                    pa, pb = pair
+                    name = f"{prefix}.{part}.weight"
+                    if part in ("o_proj", "down_proj"):  # row split: A's input columns
+                        pa = tp.shard(name, pa, config)
+                    else:  # column split: B's output rows
+                        pb = tp.shard(name, pb, config)
+                    k, start = adapter.rank, slot * w.rank + j * r
+                    w.a[start : start + k] = pa.to(w.a.device, w.a.dtype)
+                    w.b[row : row + outs[j], start : start + k] = (
+                        pb.to(w.b.device, torch.float32) * adapter.scale
+                    ).to(w.b.dtype)
+                row += outs[j]
 
 
-def _part_rows(tp, name: str, whole_rows: int, config) -> int:
+def attach_adapters(
+    model, adapters: list[Adapter], max_loras: int = 0, max_rank: int = 0
+) -> AdapterSlots | None:
+    """`model`'s adapter slots (None: no adapters and no slots asked): `max_loras` slots or
+    one per adapter, of rank up to `max_rank` or the adapters' largest, the adapters in them
+    in order."""
+    num_slots = max(max_loras, len(adapters))
+    if not num_slots:
+        return None
+    rank = max_rank or max((a.rank for a in adapters), default=DEFAULT_MAX_RANK)
+    slots = AdapterSlots(model, num_slots, rank)
+    for adapter in adapters:
+        slots.load(adapter)
+    return slots
+
+
+def _part_rows(tp, name: str, whole_rows: int) -> int:
     """A part's output rows on this rank."""
     if tp.size == 1 or name.split(".")[-2] in ("o_proj", "down_proj"):
         return whole_rows

@@ -123,7 +123,7 @@ class CudaGraphRunner:
         assert len(token_ids) == 2, "one ids buffer a turn"
         self.token_ids = token_ids
         vocab_size, dtype = model.lm_head.weight.shape[0], model.lm_head.weight.dtype
-        lora = bool(getattr(model, "lora_slots", None))  # each row's adapter slot staged too
+        lora = getattr(model, "adapter_slots", None) is not None  # rows' adapter slots too
         self.turns = [
             GraphInputs(n, self.max_blocks, vocab_size, dtype, device, lora) for _ in token_ids
         ]

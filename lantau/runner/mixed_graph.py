@@ -60,7 +60,7 @@ class MixedGraphRunner:
         # int64 input ids, positions, slots and, with LoRA adapters, each token's adapter slot
         # [3 or 4, max_tokens]; then int32 query_start_loc [max_reqs + 1], seq_lens
         # [max_reqs], block tables [max_reqs, max_blocks]
-        self.lora = bool(getattr(model, "lora_slots", None))
+        self.lora = getattr(model, "adapter_slots", None) is not None
         self.rows64 = 4 if self.lora else 3
         self.bytes64 = 8 * self.rows64 * self.max_tokens
         size = self.bytes64 + 4 * (2 * self.max_reqs + 1 + self.max_reqs * self.max_blocks)

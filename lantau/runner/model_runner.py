@@ -166,6 +166,7 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.lora_slots: dict[str, int] = getattr(model, "lora_slots", {})  # adapter -> slot
+        self.adapter_slots = getattr(model, "adapter_slots", None)  # None: no LoRA here
         self.device = device
         self.block_size = config.cache.block_size
         cache_dtype = kv_cache_dtype(config, model.lm_head.weight.dtype)
@@ -360,8 +361,16 @@ class ModelRunner:
             np.asarray(token_ids, dtype=np.int64), positions, slot_mapping, query_start_loc,
             seq_lens, block_tables, sample_ids, np.asarray(logits_indices, dtype=np.int64),
             np.asarray(pending_rows, dtype=np.int64), np.asarray(pending_src, dtype=np.int64),
-            self._lora_index(scheduled, counts) if self.lora_slots else None,
+            None if self.adapter_slots is None else self._lora_index(scheduled, counts),
         )  # fmt: skip
+
+    def load_adapter(self, name: str, path: str) -> None:
+        from lantau.model.lora import read_adapter
+
+        self.adapter_slots.load(read_adapter(name, path, self.model.config))
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapter_slots.unload(name)
 
     def _lora_index(self, scheduled, counts: np.ndarray) -> np.ndarray:
         """StepInputs.lora_index: each token's adapter slot (-1: the base model)."""

@@ -76,6 +76,7 @@ class ServerConfig:
     tls: ServerTls | None = None
 
     trust_request_chat_template: bool = False  # a request's `chat_template` runs
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     @property
     def limits(self) -> RequestLimits:
@@ -83,6 +84,7 @@ class ServerConfig:
             max_n=self.max_n,
             max_logprobs=self.max_logprobs,
             trust_request_chat_template=self.trust_request_chat_template,
+            allow_runtime_lora_updating=self.allow_runtime_lora_updating,
         )
 
 

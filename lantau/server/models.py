@@ -139,22 +139,21 @@ class SingleModelRouter(ModelRouter):
     ) -> None:
         self.model = SingleModel(engine, name, is_ready)
         self.aliases = tuple(a for a in aliases if a != name)
-        config = getattr(engine, "config", None)
-        self.adapters = {
-            adapter: AdapterModel(self.model, adapter)
-            for adapter, _ in getattr(config, "lora_modules", ())
-        }
-        taken = set(self.adapters) & {name, *self.aliases}
+        taken = set(self.adapter_names()) & {name, *self.aliases}
         if taken:
             raise ValueError(f"lora module {sorted(taken)[0]!r}: the served model's own name")
 
+    def adapter_names(self) -> list[str]:
+        """The engine's LoRA adapters now (start-up ones, and those loaded since)."""
+        return list(getattr(self.model.engine, "lora_names", ()))
+
     def get(self, name: str | None) -> ServedModel | None:
-        if name in self.adapters:
-            return self.adapters[name]
-        return self.model if name is None or name in (self.model.name, *self.aliases) else None
+        if name is None or name in (self.model.name, *self.aliases):
+            return self.model
+        return AdapterModel(self.model, name) if name in self.adapter_names() else None
 
     def names(self) -> list[str]:
-        return [self.model.name, *self.aliases, *self.adapters]
+        return [self.model.name, *self.aliases, *self.adapter_names()]
 
     def engines(self) -> list[AsyncLLM]:
         return [self.model.engine]

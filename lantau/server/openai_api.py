@@ -34,6 +34,7 @@ from lantau.server.schemas import (
     CHAT_DECODER,
     COMPLETION_DECODER,
     DETOKENIZE_DECODER,
+    LORA_ADAPTER_DECODER,
     TOKENIZE_DECODER,
     ChatRequest,
     CompletionRequest,
@@ -586,6 +587,45 @@ class OpenAIServer:
             }  # fmt: skip
         )
 
+    async def lora_adapter(self, request: Request, load: bool) -> Response:
+        """vLLM's /v1/load_lora_adapter ({"lora_name", "lora_path"}: a PEFT folder on this
+        machine into a free slot, served under the name from then on) and
+        /v1/unload_lora_adapter ({"lora_name"}); a plain-text answer, as vLLM's."""
+        from lantau.server.models import SingleModelRouter
+
+        what = "load_lora_adapter" if load else "unload_lora_adapter"
+        if not self.limits.allow_runtime_lora_updating:
+            return error_response(
+                404, f"/v1/{what} is off: the server runs with --allow-runtime-lora-updating "
+                "for it", kind="not_found_error",
+            )  # fmt: skip
+        if not isinstance(self.router, SingleModelRouter):
+            return error_response(404, f"/v1/{what}: not with a model repository",
+                                  kind="not_found_error")  # fmt: skip
+        try:
+            body = decode(LORA_ADAPTER_DECODER, await read_body(request, self.max_body_bytes))
+            if load and not body.lora_path:
+                raise InvalidRequestError("lora_path", "a PEFT adapter's folder is required")
+            if body.lora_name in self.router.names() and load:
+                raise InvalidRequestError("lora_name", f"{body.lora_name!r} is served already")
+            if not load and body.lora_name not in self.router.adapter_names():
+                return error_response(404, f"lora adapter {body.lora_name!r} is not loaded",
+                                      "lora_name", "not_found_error")  # fmt: skip
+            engine = self.router.model.engine
+            if load:
+                await engine.load_lora_adapter(body.lora_name, body.lora_path)
+            else:
+                await engine.unload_lora_adapter(body.lora_name)
+        except APIError as e:
+            return error_response(e.status, e.message, e.param, e.kind)
+        except InvalidRequestError as e:
+            return error_response(400, str(e), e.field)
+        except ValueError as e:  # the engine's reason: no slot free, a bad adapter, in use
+            return error_response(400, str(e), "lora_path" if load else "lora_name")
+        done = "added" if load else "removed"
+        return Response(f"Success: LoRA adapter '{body.lora_name}' {done} successfully.",
+                        media_type="text/plain")  # fmt: skip
+
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: token ids' text."""
         try:
@@ -1070,6 +1110,14 @@ def make_openai_router(
     @router.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         return await server.detokenize(request)
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return await server.lora_adapter(request, load=True)
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await server.lora_adapter(request, load=False)
 
     @router.get("/version")
     async def version() -> Response:

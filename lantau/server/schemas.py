@@ -43,6 +43,9 @@ class RequestLimits:
     # a request's own `chat_template` (vLLM's --trust-request-chat-template): off, a client's
     # Jinja never runs here
     trust_request_chat_template: bool = False
+    # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating):
+    # off, a client cannot make the server read a path of its choosing
+    allow_runtime_lora_updating: bool = False
 
 
 # ---------------------------------------------------------------- OpenAI
@@ -187,6 +190,13 @@ class DetokenizeRequest(Struct):
     model: str | None = None
 
 
+class LoraAdapterRequest(Struct):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str | None = None  # load: the adapter's PEFT folder on the server
+
+
 # ---------------------------------------------------------------- OpenAI Responses
 
 
@@ -305,6 +315,7 @@ class InferHeader(Struct):
 COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 TOKENIZE_DECODER = msgspec.json.Decoder(TokenizeRequest)
 DETOKENIZE_DECODER = msgspec.json.Decoder(DetokenizeRequest)
+LORA_ADAPTER_DECODER = msgspec.json.Decoder(LoraAdapterRequest)
 CHAT_DECODER = msgspec.json.Decoder(ChatRequest)
 RESPONSES_DECODER = msgspec.json.Decoder(ResponsesRequest)
 INFER_HEADER_DECODER = msgspec.json.Decoder(InferHeader)
