@@ -130,8 +130,9 @@ def write_adapter(folder: str, config, seed: int, zero_b: bool = False) -> None:
 
 def lora_rows(args) -> list[tuple[str, str, str]]:
     """LoRA adapters on the device: a zero adapter's tokens are the base model's (the same
-    graphs: exactly), a drawn adapter's change them, and its tokens through the Triton ops
-    and CUDA graphs agree with the torch reference ops' (eager) on the same device."""
+    graphs: exactly), a drawn adapter's change them, its tokens through the Triton ops and
+    CUDA graphs agree with the torch reference ops' (eager) on the same device, and the same
+    adapter loaded at runtime into a free slot (after the capture) gives its tokens."""
     import tempfile
 
     from lantau import LLM, SamplingParams
@@ -145,9 +146,11 @@ def lora_rows(args) -> list[tuple[str, str, str]]:
     outs, seconds = {}, {}
     for backend in ("triton", "torch"):
         llm = LLM(args.model, device=args.device, max_model_len=1024, max_num_seqs=64,
-                  enforce_eager=backend == "torch", lora_modules=modules,
+                  enforce_eager=backend == "torch", lora_modules=modules, max_loras=3,
                   attention_backend=backend if args.device != "cpu" else "torch")  # fmt: skip
-        for lora in (None, "zero", "brand"):
+        if backend == "triton":  # the same adapter again, into the free slot after capture
+            llm.engine.core.load_adapter("late", f"{root}/brand")
+        for lora in (None, "zero", "brand", "late"):
             if backend == "torch" and lora != "brand":
                 continue
             params = SamplingParams(temperature=0.0, max_tokens=16, lora=lora, logprobs=0)
@@ -168,6 +171,7 @@ def lora_rows(args) -> list[tuple[str, str, str]]:
     n = len(PROMPTS)
     zero_ok = agree(("triton", None), ("triton", "zero")) == n
     changed = n - agree(("triton", None), ("triton", "brand"))
+    late_ok = agree(("triton", "brand"), ("triton", "late")) == n
     ref = sum(x[0] == y[0] for x, y in zip(outs[("triton", "brand")], outs[("torch", "brand")],
                                            strict=True))  # fmt: skip
     return [
@@ -178,6 +182,7 @@ def lora_rows(args) -> list[tuple[str, str, str]]:
          "; ".join(p for p in (
              "" if changed >= n // 2 else f"the adapter changed only {changed}/{n}",
              "" if ref >= n * 0.75 else f"triton and torch ops agree on {ref}/{n}",
+             "" if late_ok else "the adapter loaded at runtime is not the start-up one",
          ) if p) or f"ok (changed {changed}/{n}; triton = torch ops on {ref}/{n})"),
     ]  # fmt: skip
 
