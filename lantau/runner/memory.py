@@ -35,6 +35,10 @@ class MemoryBaseline:
 
         if torch.device(device).type != "cuda":
             return None
+        import gc
+
+        gc.collect()  # an engine of this process let go of (LLM twice): its memory back
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         check_share_free(free, total, utilization, str(device))
         return cls(
