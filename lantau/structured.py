@@ -208,9 +208,24 @@ def _past(tokens: list[int], seq: tuple[int, ...]) -> int | None:
 
 
 def tokenizer_json(tokenizer) -> str:
-    """An HF fast tokenizer's tokenizer.json, as text."""
+    """An HF fast tokenizer's tokenizer.json, as text, a byte-level BPE's made plain: some
+    transformers versions (5.17) convert a GGUF's GPT-2-style tokenizer (SmolLM2's) with
+    byte fallback and a decoder sequence of ByteFallback, Replace and ByteLevel; llguidance
+    then takes a token its mask allowed as an error once it reads it (' "' after '":' in a
+    JSON schema), so the grammar's request ended on its end token (found on the H200)."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer._tokenizer
-    return backend.to_str()
+    return _plain_byte_level(backend.to_str())
+
+
+def _plain_byte_level(text: str) -> str:
+    data = json.loads(text)
+    pre, decoder, model = data.get("pre_tokenizer") or {}, data.get("decoder") or {}, data["model"]
+    byte_level = [d for d in decoder.get("decoders") or () if d.get("type") == "ByteLevel"]
+    if pre.get("type") != "ByteLevel" or decoder.get("type") != "Sequence" or not byte_level:
+        return text
+    data["decoder"] = byte_level[0]
+    model["byte_fallback"] = False
+    return json.dumps(data)
 
 
 def model_tokenizer_json(source) -> str:

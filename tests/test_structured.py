@@ -134,3 +134,47 @@ def test_any_spec_is_a_grammar_or_a_named_error():
             assert e.field == "structured_outputs"
 
     check()
+
+
+def test_a_byte_level_tokenizer_converted_with_byte_fallback_keeps_its_grammar():
+    """transformers 5.17 converts SmolLM2's GGUF tokenizer (GPT-2 byte-level BPE) with byte
+    fallback and a decoder sequence ending in ByteLevel; llguidance then takes ' "' after
+    '{"answer":' as an error once read, though its mask allowed it (found on the H200: JSON
+    schema answers ended on their end token). tokenizer_json hands llguidance the plain
+    byte-level form, whose matcher follows the whole answer."""
+    import json
+    from types import SimpleNamespace
+
+    import tokenizers
+
+    from lantau.model.source import load_tokenizer, resolve_model_source
+    from lantau.structured import Grammars, tokenizer_json
+
+    tokenizer = load_tokenizer(resolve_model_source("random:tiny"))
+    data = json.loads(tokenizer_json(tokenizer))
+    data["normalizer"] = {"type": "Sequence", "normalizers": []}
+    data["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+    ]}  # fmt: skip
+    data["model"].update(byte_fallback=True, fuse_unk=True, unk_token="<|endoftext|>")
+    converted = json.dumps(data)  # as transformers 5.17 writes it
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}  # fmt: skip
+    answer = tokenizer.encode('{"answer": "yes"}', add_special_tokens=False)
+
+    def follows(text: str) -> bool:
+        grammars = Grammars(lambda: text, len(tokenizer), [0])
+        grammars.add("r", {"json": schema}, [])
+        for token in answer:
+            mask = grammars.masks(["r"])[0]
+            assert (int(mask[token // 32]) >> (token % 32)) & 1, tokenizer.decode([token])
+            grammars.consume("r", token)
+            if grammars.matchers["r"].is_error():
+                return False
+        return True
+
+    assert not follows(converted)  # the bug, as llguidance reads that form
+    fake = SimpleNamespace(backend_tokenizer=tokenizers.Tokenizer.from_str(converted))
+    assert follows(tokenizer_json(fake))
