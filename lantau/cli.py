@@ -306,7 +306,7 @@ def serve(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     names = set(args.served_model_name or [args.model or "SmolLM2-135M-Instruct"])
-    problem = _lora_problem(args.lora_modules or args.max_loras, names, repository is not None)
+    problem = _lora_problem(args.lora_modules, args.max_loras, names, repository is not None)
     if problem:
         print(f"lantau serve: {problem}", file=sys.stderr)
         return 2
@@ -398,16 +398,18 @@ def serve_engine_args(args: argparse.Namespace) -> dict:
     return engine_args
 
 
-def _lora_problem(specs, served_names: set[str], repository: bool) -> str | None:
-    """Why `--lora-modules` cannot be served as given, or None."""
-    if not specs:
+def _lora_problem(
+    specs: list[str] | None, max_loras: int, served_names: set[str], repository: bool
+) -> str | None:
+    """Why `--lora-modules` / `--max-loras` cannot be served as given, or None."""
+    if not specs and not max_loras:
         return None
     if repository:
         return "--lora-modules: not with a model repository (its models' adapters are not read)"
     from lantau.model.lora import parse_lora_modules
 
     try:
-        modules = parse_lora_modules(specs if isinstance(specs, list) else ())
+        modules = parse_lora_modules(specs)
     except ValueError as e:
         return str(e)
     taken = sorted({name for name, _ in modules} & served_names)

@@ -218,6 +218,8 @@ def tokenizer_json(tokenizer) -> str:
 
 
 def _plain_byte_level(text: str) -> str:
+    if '"ByteFallback"' not in text:  # the plain form: no second decode of megabytes
+        return text
     data = json.loads(text)
     pre, decoder, model = data.get("pre_tokenizer") or {}, data.get("decoder") or {}, data["model"]
     byte_level = [d for d in decoder.get("decoders") or () if d.get("type") == "ByteLevel"]

@@ -204,12 +204,11 @@ class EngineCore:
     def load_adapter(self, name: str, path: str) -> None:
         """A LoRA adapter into a free slot, on every rank (ModelLoadError or ValueError: why
         not; nothing changes then)."""
-        from lantau.model.lora import NAME
+        from lantau.model.lora import check_name
 
         if self.runner.adapter_slots is None:
             raise ValueError("this engine has no LoRA adapter slots (--max-loras)")
-        if not NAME.match(name):
-            raise ValueError(f"lora adapter {name!r}: a name of letters, digits, . _ : -")
+        check_name(name, "lora adapter")
         self.runner.load_adapter(name, path)
 
     def unload_adapter(self, name: str) -> None:

@@ -58,21 +58,23 @@ class KVCacheManager:
         """Block i's tokens as its cache entry is checked (the salt with the first block's, so
         a hash collision across salts cannot be taken for a hit)."""
         tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
-        params = request.sampling_params
-        if i == 0 and (params.cache_salt is not None or params.lora is not None):
-            return (self._lora_key(params.lora), params.cache_salt, *tokens)
-        return tokens
+        space = self._namespace(request) if i == 0 else None
+        return tokens if space is None else (*space, *tokens)
 
-    def _lora_key(self, lora: str | None) -> tuple | None:
-        return None if lora is None else (lora, self.lora_epochs.get(lora, 0))
-
-    def _root(self, request: Request) -> int | None:
-        """Where a request's chain of block hashes starts: its LoRA adapter's (an adapter's
-        keys and values are not the base model's) and its cache salt's, or none."""
+    def _namespace(self, request: Request) -> tuple | None:
+        """The request's own part of the cache, or None for the shared one: its LoRA adapter
+        (an adapter's keys and values are not the base model's; one loaded again under a
+        name is another: its epoch) and its cache salt."""
         params = request.sampling_params
         if params.cache_salt is None and params.lora is None:
             return None
-        return hash(("cache_salt", self._lora_key(params.lora), params.cache_salt))
+        lora = None if params.lora is None else (params.lora, self.lora_epochs.get(params.lora, 0))
+        return (lora, params.cache_salt)
+
+    def _root(self, request: Request) -> int | None:
+        """Where a request's chain of block hashes starts: its namespace's, or none."""
+        space = self._namespace(request)
+        return None if space is None else hash(("cache_salt", *space))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest cached prefix of full blocks, and its token count.

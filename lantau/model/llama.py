@@ -160,7 +160,6 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings and not self.tied_copy:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ops: Ops = make_ops(ops, kernels)
-        self.lora_slots: dict[str, int] = {}  # LoRA adapter name -> slot (model/lora.py)
         self.adapter_slots = None  # model/lora.py's AdapterSlots, where adapters may run
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         device = self.lm_head.weight.device

@@ -76,7 +76,7 @@ def build_model(
     `load=False`: the parameters left unset, for load_in_background. `tp`: this rank's slice
     of the model (lantau/model/parallel.py). `lora_modules`: (name, PEFT folder) adapters
     attached beside the weights, in `max_loras` slots (or one each) of rank up to
-    `max_lora_rank` (or theirs): `model.adapter_slots`, `model.lora_slots` (name -> slot)."""
+    `max_lora_rank` (or theirs): `model.adapter_slots`."""
     if config.quantization == "fp8":
         fp8.check_device(device)
     with torch.device(device), _default_dtype(dtype), _no_init():
@@ -86,8 +86,6 @@ def build_model(
 
     adapters = [read_adapter(name, path, config) for name, path in lora_modules]
     model.adapter_slots = attach_adapters(model, adapters, max_loras, max_lora_rank)
-    if model.adapter_slots is not None:
-        model.lora_slots = model.adapter_slots.names  # the same dict: loads show in it
     if not load:
         return model
     if source.kind == "random":

@@ -64,6 +64,12 @@ class Adapter:
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
+def check_name(name: str, what: str = "lora module") -> None:
+    """ValueError unless `name` may name an adapter (it is a model name to clients)."""
+    if not NAME.match(name):
+        raise ValueError(f"{what} {name!r}: a name of letters, digits, . _ : -")
+
+
 def parse_lora_modules(specs) -> tuple[tuple[str, str], ...]:
     """`--lora-modules NAME=PATH ...` (or vLLM's JSON `{"name": ..., "path": ...}`) to
     (name, path) pairs; ValueError naming the bad one."""
@@ -79,8 +85,7 @@ def parse_lora_modules(specs) -> tuple[tuple[str, str], ...]:
             name, sep, path = spec.partition("=")
             if not sep or not path:
                 raise ValueError(f"lora module {spec!r}: expected NAME=PATH")
-        if not NAME.match(name):
-            raise ValueError(f"lora module {name!r}: a name of letters, digits, . _ : -")
+        check_name(name)
         if name in modules:
             raise ValueError(f"lora module {name!r}: given twice")
         modules[name] = path

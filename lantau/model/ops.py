@@ -42,13 +42,6 @@ class _Compositions:
     # the step's adapter tokens (lantau/model/lora.py), set by the model for its forward
     lora: LoRABatch | None = None
 
-    def _add_lora(self, y: torch.Tensor, x: torch.Tensor, layer) -> torch.Tensor:
-        """y, the base product of x by `layer`, with the step's adapters' deltas added."""
-        weights = getattr(layer, "lora_weights", None)
-        if self.lora is not None and weights is not None:
-            add_lora(y, x, weights, self.lora)
-        return y
-
     def lora_on(self, layer) -> bool:
         """Whether this forward adds adapter deltas to `layer`'s products."""
         return self.lora is not None and getattr(layer, "lora_weights", None) is not None
@@ -86,7 +79,9 @@ class TorchOps(_Compositions):
     def linear(self, x, layer, out: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear, or for an fp8 layer _scaled_mm's product emulated in fp32 (with the
         step's adapter deltas); written into `out` (returned) when given."""
-        y = self._add_lora(fp8.linear_ref(x, layer), x, layer)
+        y = fp8.linear_ref(x, layer)
+        if self.lora_on(layer):
+            add_lora(y, x, layer.lora_weights, self.lora)
         return y if out is None else out.copy_(y)
 
     rms_norm = staticmethod(ref.rms_norm_ref)
@@ -150,7 +145,8 @@ class TritonOps(_Compositions):
         when given: the CUDA graphs' logits buffer (cuda_graph.py), which a plain layer's GEMM
         writes directly."""
         if self.lora_on(layer):
-            y = self._add_lora(self._base_linear(x, layer), x, layer)
+            y = self._base_linear(x, layer)
+            add_lora(y, x, layer.lora_weights, self.lora)
             return y if out is None else out.copy_(y)
         return self._base_linear(x, layer, out)
 

@@ -58,6 +58,7 @@ class CachedRequestState:
     # its prompt's logprobs so far (None for the first token), while it collects them: from
     # its first scheduling to its first sample
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora_slot: int = -1  # its LoRA adapter's slot (-1: the base model)
 
 
 class BlockTable:
@@ -165,7 +166,6 @@ class ModelRunner:
             require_triton("running on CUDA")
         self.config = config
         self.model = model
-        self.lora_slots: dict[str, int] = getattr(model, "lora_slots", {})  # adapter -> slot
         self.adapter_slots = getattr(model, "adapter_slots", None)  # None: no LoRA here
         self.device = device
         self.block_size = config.cache.block_size
@@ -292,6 +292,8 @@ class ModelRunner:
                 list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 self.block_table.add(new.block_ids), len(new.block_ids), new.eos_token_ids,
             )  # fmt: skip
+            if new.sampling_params.lora is not None:  # its adapter stays loaded while it runs
+                self.states[new.request_id].lora_slot = self.lora_slots[new.sampling_params.lora]
             if new.sampling_params.prompt_logprobs is not None and (
                 len(new.token_ids) == new.num_prompt_tokens and new.num_computed_tokens == 0
             ):  # NOTE: resumed after its first sample, it sent them already
@@ -364,6 +366,11 @@ class ModelRunner:
             None if self.adapter_slots is None else self._lora_index(scheduled, counts),
         )  # fmt: skip
 
+    @property
+    def lora_slots(self) -> dict[str, int]:
+        """LoRA adapter name -> its slot, as loaded now."""
+        return {} if self.adapter_slots is None else self.adapter_slots.names
+
     def load_adapter(self, name: str, path: str) -> None:
         from lantau.model.lora import read_adapter
 
@@ -374,11 +381,8 @@ class ModelRunner:
 
     def _lora_index(self, scheduled, counts: np.ndarray) -> np.ndarray:
         """StepInputs.lora_index: each token's adapter slot (-1: the base model)."""
-        slots = np.fromiter(
-            (self.lora_slots.get(self.states[request_id].params.lora, -1)
-             for request_id, _ in scheduled),
-            dtype=np.int64, count=len(scheduled),
-        )  # fmt: skip
+        slots = np.fromiter((self.states[request_id].lora_slot for request_id, _ in scheduled),
+                            dtype=np.int64, count=len(scheduled))  # fmt: skip
         return np.repeat(slots, counts)
 
     def fill_pending(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
