@@ -33,18 +33,10 @@ from lantau.errors import ModelLoadError
 if TYPE_CHECKING:  # NOTE: the frontend reads --lora-modules here without loading torch
     import torch
 
-# HF projection -> (the fused module it is part of, its place among the parts)
-TARGETS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
+# each fused projection: the HF projections it stacks, in order
 PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # fmt: skip
+TARGETS = tuple(p for parts in PARTS.values() for p in parts)  # the HF projections adapted
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 # PEFT config fields that change what the pairs compute: refused unless at their defaults
 _REFUSED = {"use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
