@@ -82,10 +82,15 @@ def start_server(model: str, port: int, extra: list[str], log_path: Path):
 
 
 def serve_runs(
-    base: str, specs: list[str], full: dict | None = None, step_log: str | None = None
+    base: str,
+    specs: list[str],
+    full: dict | None = None,
+    step_log: str | None = None,
+    model: str | None = None,
 ) -> list[dict]:
     """Each run's result, its records left out (`full`: where they go, by spec); `step_log`:
-    the server's step log, each run's engine steps read from it (its engine_steps)."""
+    the server's step log, each run's engine steps read from it (its engine_steps); `model`:
+    the requests' model field (None: the server's first)."""
     rows = []
     for spec in specs:
         parts, concurrency = spec.split(":"), []
@@ -94,6 +99,7 @@ def serve_runs(
         workload, rate, num = ":".join(parts).rsplit(":", 2)
         config = ServeConfig(
             base_url=base,
+            model=model,
             workload=workload,
             num_requests=int(num),
             rate=math.inf if rate == "inf" else float(rate),
