@@ -295,7 +295,8 @@ def _part_rows(tp, name: str, whole_rows: int) -> int:
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, batch: LoRABatch) -> None:
     """y += each token's adapter delta, in place (y: the base product of x, [tokens, out]):
-    x A^T over every slot, the other slots' columns masked, times B^T."""
+    x A^T over every slot, the other slots' columns masked, times B^T (summed into y by the
+    GEMM itself: one launch, no [tokens, out] temporary)."""
     xa = x @ weights.a.t()  # [tokens, slots * R]
     xa *= batch.mask(weights.rank, xa.shape[1], xa.dtype)
-    y += xa @ weights.b.t()
+    y.addmm_(xa, weights.b.t())
