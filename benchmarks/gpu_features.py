@@ -172,6 +172,7 @@ def lora_rows(args) -> list[tuple[str, str, str]]:
     zero_ok = agree(("triton", None), ("triton", "zero")) == n
     changed = n - agree(("triton", None), ("triton", "brand"))
     late_ok = agree(("triton", "brand"), ("triton", "late")) == n
+
     def same_tokens(lora) -> int:  # Triton ops + graphs against the torch ops, eager
         return sum(x[0] == y[0] for x, y in zip(outs[("triton", lora)], outs[("torch", lora)],
                                                 strict=True))  # fmt: skip
