@@ -1,12 +1,14 @@
 """Where an fp8 engine's device time goes, by kernel: W3-fp8-128 (llama3-8b) and W4-128
 (llama3-70b) waves under torch.profiler, eager (the kernels a CUDA graph replays, each seen).
 
-For each model: one wave of `--rows` prompts of 128 tokens, first prefill only (max_tokens 1),
-then prefill and 128 decode steps; each phase's kernels grouped by name (device ms, share),
-by family (fp8 GEMM, activation quantization, attention, the rest), the wave's wall time and
-its implied tok/s against the same-run ceilings (fp8 matmul TFLOP/s, copy TB/s).
+For each model: one wave of `--rows` prompts of the workload's (`--workloads`, W3-128 by
+default: 128 tokens in, 128 out), first prefill only (max_tokens 1), then prefill and every
+decode step; each phase's kernels grouped by name (device ms, share), by family (fp8 GEMM,
+activation quantization, attention, the rest), the wave's wall time and its implied tok/s
+against the same-run ceilings (fp8 matmul TFLOP/s, copy TB/s).
 
     PYTHONPATH=. python3 benchmarks/fp8_kernel_profile.py [--models 8b,70b] [--rows 384,128]
+        [--workloads W3-128,W3-128]
 """
 
 from __future__ import annotations
@@ -74,21 +76,23 @@ def profiled(llm, prompts, max_tokens: int) -> dict:
     }
 
 
-def run_model(name: str, rows: int, table: list, results: dict) -> None:
+def run_model(name: str, rows: int, workload: str, table: list, results: dict) -> None:
     model = {"8b": "random:llama3-8b", "70b": "random:llama3-70b"}[name]
     t = time.perf_counter()
+    wave = make_workload(workload, 128256, rows)  # llama3's vocabulary, both sizes
+    prompt_len, output_len = len(wave.prompts[0]), wave.max_tokens
     llm = LLM(
-        model, dtype="fp8", kv_cache_dtype="fp8", max_model_len=2048, max_num_seqs=rows,
-        max_num_batched_tokens=65536 if name == "8b" else 16384, enforce_eager=True,
+        model, dtype="fp8", kv_cache_dtype="fp8", max_model_len=max(2048, prompt_len + output_len),
+        max_num_seqs=rows, max_num_batched_tokens=65536 if name == "8b" else 16384,
+        enforce_eager=True,
     )  # fmt: skip
     print(f"{model} fp8 eager up in {time.perf_counter() - t:.1f} s", flush=True)
-    vocab = llm.config.model_config.vocab_size
-    prompts = make_workload("W3-128", vocab, rows).prompts
     n_params = sum(p.numel() for p in llm.engine.core.runner.model.parameters())
+    name = f"{name} {workload}"
     res = results[name] = {"rows": rows, "params": n_params}
-    for phase, max_tokens in (("prefill", 1), ("wave", 128)):
-        r = res[phase] = profiled(llm, prompts, max_tokens)
-        tokens = rows * (128 + max_tokens)
+    for phase, max_tokens in (("prefill", 1), ("wave", output_len)):
+        r = res[phase] = profiled(llm, wave.prompts, max_tokens)
+        tokens = rows * (prompt_len + max_tokens)
         tflop = 2 * n_params * tokens / 1e12
         r["matmul_tflop_s_of_wall"] = tflop / r["wall_ms"] * 1e3
         print(name, phase, json.dumps(r, indent=1), flush=True)
@@ -100,8 +104,10 @@ def run_model(name: str, rows: int, table: list, results: dict) -> None:
                 f"{r['matmul_tflop_s_of_wall']:.0f} TFLOP/s of wall; {fams}",
             )
         )
-    wave = res["wave"]["wall_ms"] - res["prefill"]["wall_ms"]
-    table.append((f"{name} decode x{rows} (wave - prefill)", f"{wave / 127:.2f} ms/step", ""))
+    wave_ms = res["wave"]["wall_ms"] - res["prefill"]["wall_ms"]
+    table.append(
+        (f"{name} decode x{rows} (wave - prefill)", f"{wave_ms / (output_len - 1):.2f} ms/step", "")
+    )
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -111,13 +117,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="8b,70b")
     p.add_argument("--rows", default="384,128", help="max_num_seqs and wave size, per model")
+    p.add_argument("--workloads", default="W3-128,W3-128", help="the waves' shape, per model")
     args = p.parse_args()
     table: list[tuple[str, str, str]] = []
     results: dict = {"ceilings": measure_ceilings(torch.device("cuda"))}
     table.append(("ceilings", json.dumps(results["ceilings"]), ""))
-    for name, rows in zip(args.models.split(","), args.rows.split(","), strict=True):
+    runs = zip(args.models.split(","), args.rows.split(","), args.workloads.split(","), strict=True)
+    for name, rows, workload in runs:
         try:
-            run_model(name, int(rows), table, results)
+            run_model(name, int(rows), workload, table, results)
         except Exception as e:  # the next model still runs
             table.append((name, "FAILED", f"{type(e).__name__}: {str(e)[:90]}"))
     with open(os.path.join(OUT, "fp8_kernel_profile.json"), "w") as f:
