@@ -183,12 +183,12 @@ def lora_rows(args) -> list[tuple[str, str, str]]:
          "ok" if zero_ok else "a zero adapter changed tokens"),
         ("lora adapter", f"{seconds[('triton', 'brand')]:.2f} / "
          f"{seconds[('torch', 'brand')]:.2f}",
-         "; ".join(p for p in (
+         ("; ".join(p for p in (
              "" if changed >= n // 2 else f"the adapter changed only {changed}/{n}",
              "" if ref >= n * 0.75 else f"triton and torch ops agree on {ref}/{n}",
              "" if late_ok else "the adapter loaded at runtime is not the start-up one",
-         ) if p) or f"ok (changed {changed}/{n}; triton = torch ops on {ref}/{n}, "
-                     f"the base model's {ref_base}/{n})"),
+         ) if p) or f"ok (changed {changed}/{n}; triton = torch ops on {ref}/{n}")
+         + f"; the base model's triton = torch ops on {ref_base}/{n}"),
     ]  # fmt: skip
 
 

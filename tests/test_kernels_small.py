@@ -21,6 +21,7 @@ from lantau.config import RopeScaling  # noqa: E402
 from lantau.kernels import activation  # noqa: E402
 from lantau.kernels.activation import silu_and_mul  # noqa: E402
 from lantau.kernels.embedding import embedding  # noqa: E402
+from lantau.kernels.lora import add_lora  # noqa: E402
 from lantau.kernels.reference import (  # noqa: E402
     add_rms_norm_ref,
     embedding_ref,
@@ -33,6 +34,8 @@ from lantau.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from lantau.kernels.rotary import apply_rotary_and_write_kv  # noqa: E402
 from lantau.model import ops  # noqa: E402
 from lantau.model.llama import rope_inv_freq  # noqa: E402
+from lantau.model.lora import LoRABatch, LoRAWeights  # noqa: E402
+from lantau.model.lora import add_lora as add_lora_ref  # noqa: E402
 from lantau.model.ops import build_cos_sin_cache  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -205,6 +208,36 @@ def test_embedding_with_device_picked_ids(dtype: torch.dtype, hidden: int) -> No
     # TorchOps and TritonOps agree
     triton_out = ops.TritonOps().embed(ids, weight, src, prev)
     assert torch.equal(triton_out, ops.TorchOps.embed(ids, weight, src, prev))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,k,splits", [(1, 96, None), (5, 300, 3), (20, 300, None),
+                                                 (20, 300, 2), (70, 96, None)])  # fmt: skip
+def test_lora_deltas(dtype: torch.dtype, num_tokens: int, k: int, splits: int | None) -> None:
+    """Each token's adapter delta in two launches equals the masked reference's (every slot's
+    columns computed, the others masked), with shapes off the tiles (K 96 < 128 or 300 over
+    128-wide splits, 3 slots of 12 rows: 36 columns, N 80); the base model's rows (slot -1)
+    keep y's bits."""
+    torch.manual_seed(num_tokens)
+    n, slots, rank = 80, 3, 12
+    x = padded_rows(num_tokens, k, 8, dtype)
+    a = torch.randn(slots * rank, k, dtype=dtype) * 0.3
+    b = torch.randn(n, slots * rank, dtype=dtype) * 0.3
+    index = torch.arange(num_tokens) % (slots + 1) - 1  # every slot and the base model
+    y = torch.randn(num_tokens, n, dtype=dtype)
+    expected, before = y.clone(), y.clone()
+    add_lora_ref(expected, x, LoRAWeights(a, b, rank), LoRABatch(index))
+    add_lora(y, x, a, b, index, rank, splits=splits)
+    # bf16: both round x A^T (values up to ~8, an ulp of 1/32) before B, the interpreter toward 0
+    tolerance = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 6e-2)
+    torch.testing.assert_close(y, expected, rtol=tolerance[0], atol=tolerance[1])
+    base = index < 0
+    assert torch.equal(y[base], before[base])
+    if num_tokens > 1:
+        assert not torch.equal(y[~base], before[~base])  # the adapters' rows moved
+    with_deltas = y.clone()
+    add_lora(y, x, a, b, torch.full_like(index, -1), rank)  # no adapter rows: y as it was
+    assert torch.equal(y, with_deltas)
 
 
 def test_launchers_reject_bad_inputs() -> None:

@@ -118,13 +118,14 @@ class TritonOps(_Compositions):
             embedding,
             fp8_quant,
             gemv,
+            lora,
             rms_norm,
             rotary,
             unified_attention,
         )
 
         self._act, self._gemv, self._embedding = activation, gemv, embedding
-        self._fp8_quant = fp8_quant
+        self._fp8_quant, self._lora = fp8_quant, lora
         self._norm, self._rope = rms_norm, rotary
         self._decode, self._unified = decode_attention, unified_attention
         self.config = config = config or KernelConfig()
@@ -145,8 +146,8 @@ class TritonOps(_Compositions):
         when given: the CUDA graphs' logits buffer (cuda_graph.py), which a plain layer's GEMM
         writes directly."""
         if self.lora_on(layer):
-            y = self._base_linear(x, layer)
-            add_lora(y, x, layer.lora_weights, self.lora)
+            y, w = self._base_linear(x, layer), layer.lora_weights
+            self._lora.add_lora(y, x, w.a, w.b, self.lora.index, w.rank, self._pdl)
             return y if out is None else out.copy_(y)
         return self._base_linear(x, layer, out)
 
