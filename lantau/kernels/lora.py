@@ -23,7 +23,9 @@ from lantau.kernels import pdl
 from lantau.kernels.pdl import pdl_wait
 
 
-@triton.jit
+# NOTE: T (the step's tokens) is not specialized on: an eager prompt step of any length runs
+# the variant the graphs' captures compiled, never a new compile while serving
+@triton.jit(do_not_specialize=["T"])
 def _shrink_kernel(
     x_ptr,  # [T, K], rows contiguous
     a_ptr,  # [W, K] every slot's A rows
@@ -69,7 +71,7 @@ def _shrink_kernel(
              mask=t_mask[:, None] & w_mask[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _expand_kernel(
     part_ptr,  # [SPLIT, T, W] fp32: the shrink's
     b_ptr,  # [N, W] every slot's B columns
