@@ -20,6 +20,7 @@ import triton.language as tl
 
 from lantau import envs
 from lantau.kernels import pdl
+from lantau.kernels.attention_tiles import dot_precision
 from lantau.kernels.pdl import pdl_wait
 
 
@@ -41,6 +42,7 @@ def _shrink_kernel(
     BLOCK_W: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # the interpreter: see add_lora
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not TF32
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
@@ -64,7 +66,7 @@ def _shrink_kernel(
                         other=0.0)  # fmt: skip
             if UPCAST:
                 x, a = x.to(tl.float32), a.to(tl.float32)
-            acc += tl.dot(x, a)
+            acc += tl.dot(x, a, input_precision=DOT_PRECISION)
     out = tl.where(keep, acc, 0.0)
     rows = (split * T + offs_t).to(tl.int64)
     tl.store(part_ptr + rows[:, None] * W + offs_w[None, :], out,
@@ -86,6 +88,7 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
@@ -114,7 +117,7 @@ def _expand_kernel(
         xa = xa.to(b_ptr.dtype.element_ty)
         if UPCAST:
             xa, b = xa.to(tl.float32), b.to(tl.float32)
-        acc += tl.dot(xa, b)
+        acc += tl.dot(xa, b, input_precision=DOT_PRECISION)
     ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
     mask = t_mask[:, None] & n_mask[None, :]
     y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -162,8 +165,9 @@ def add_lora(
     # NOTE: Triton 3.6's interpreter multiplies bf16 tiles' bits as integers in tl.dot; there
     # the tiles go to fp32 first (each product exact either way, the sums in fp32)
     upcast = envs.triton_interpret() and x.dtype == torch.bfloat16
-    options = pdl.launch_options(x.device, use_pdl)
-    block_w = min(max(triton.next_power_of_2(width), 16), 32)
+    options = dict(DOT_PRECISION=dot_precision(x.dtype), **pdl.launch_options(x.device, use_pdl))
+    # decode batches: narrow column blocks, more programs; prompt chunks: x read fewer times
+    block_w = min(max(triton.next_power_of_2(width), 16), 32 if num_tokens <= 64 else 64)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_w), splits)
     _shrink_kernel[grid](
         x, a, index, parts, num_tokens, k, width, x.stride(0), k_per_split, RANK=rank,
