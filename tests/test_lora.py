@@ -455,3 +455,29 @@ def test_lora_kernels_compile_for_hopper():
         "shrink 64 True True",
         "expand 64 True",
     ]
+
+
+def test_triton_kernels_give_the_reference_tokens(tiny_llama_dir, adapters):
+    """The triton backend (lantau/kernels/lora.py's launches, through the interpreter) gives
+    a batch mixing two adapters and the base model the torch backend's greedy tokens and
+    logprobs (the reference's masked GEMMs)."""
+    prompts = random_prompts(4, seed=5, max_len=30)
+    names = ["all", None, "qv", "all"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0, lora=name)
+        for name in names
+    ]
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+            attention_backend=backend, enforce_eager=True,
+            lora_modules=[f"all={adapters['all']}", f"qv={adapters['qv']}"],
+        )  # fmt: skip
+        outs[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        check_clean(llm)
+    for ref, out in zip(outs["torch"], outs["triton"], strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for a, b, t in zip(ref.outputs[0].logprobs, out.outputs[0].logprobs,
+                           ref.outputs[0].token_ids, strict=True):  # fmt: skip
+            assert b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4)
