@@ -160,15 +160,20 @@ def test_adapters_split_over_two_ranks_give_the_one_rank_tokens(tiny_llama_dir, 
     assert tokens == run(LLM(str(tiny_llama_dir), **common))
 
 
-def test_served_adapters_by_name(served_dir, adapters):
+def test_served_adapters_by_name(served_dir, adapters, tmp_path, monkeypatch):
     """`lantau serve --lora-modules`: /v1/models lists each adapter with its base model as
     parent; a completion naming an adapter is that adapter's (the offline engine's text with
     it, checked against PEFT above), one naming the base model is the base model's, and an
-    unknown name is a 404."""
+    unknown name is a 404. /metrics names the adapters with requests running (vLLM's
+    lora_requests_info)."""
     import httpx
     import openai
 
     from tests.servers import lantau_serve
+
+    delay = tmp_path / "delay"  # 10 ms a step: a long request is still running when scraped
+    delay.write_text("0.01")
+    monkeypatch.setenv("LANTAU_TEST_STEP_DELAY_FILE", str(delay))
 
     prompt = random_prompts(1, seed=21, max_len=30)[0]
     offline = LLM(str(served_dir), device="cpu", dtype="float32", num_kv_blocks=64,
@@ -205,6 +210,22 @@ def test_served_adapters_by_name(served_dir, adapters):
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora="qv")
         want = offline.generate({"prompt_token_ids": ids}, params)[0].outputs[0].text
         assert reply.json()["text_output"] == want
+
+        def lora_info() -> str:
+            text = httpx.get(f"{base}/metrics", timeout=30).text
+            return next(line for line in text.splitlines()
+                        if line.startswith("lantau:lora_requests_info{"))  # fmt: skip
+
+        idle = lora_info()
+        assert all(label in idle for label in ('max_lora="2"', 'model_name="base"',
+                   'running_lora_adapters=""', 'waiting_lora_adapters=""')), idle  # fmt: skip
+        body = {"model": "qv", "prompt": prompt, "max_tokens": 400, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()  # held open: a closed stream is a client gone (an abort)
+            next(line for line in lines if line.startswith("data: "))  # running now
+            busy = lora_info()
+            assert 'running_lora_adapters="qv"' in busy and 'waiting_lora_adapters=""' in busy
 
 
 @pytest.mark.parametrize(

@@ -210,6 +210,8 @@ class AsyncLLM:
         if self.metrics is not None:
             self.metrics.block_size = self.config.cache.block_size
             self.metrics.num_blocks = ready.num_blocks
+            self.metrics.max_loras = max(self.config.max_loras, len(self.config.lora_modules))
+            self.metrics.in_flight = self.timings
         self.last_report = self.last_progress = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._output_loop()),
@@ -359,7 +361,8 @@ class AsyncLLM:
         self.num_pending_tokens += num_tokens
         self.num_pending_seqs += params.n
         if self.metrics is not None:
-            timing = self.timings[request_id] = RequestTiming(arrival_s, len(ids))
+            timing = RequestTiming(arrival_s, len(ids), lora=params.lora)
+            self.timings[request_id] = timing
             if context is not None and context.timing is None:  # its API request's first
                 context.timing = timing
                 self.metrics.record_http_in(context, timing)

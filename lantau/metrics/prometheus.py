@@ -10,6 +10,7 @@ DCGM counterparts.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -208,6 +209,16 @@ class EngineCollector:
             [*names, "block_size", "num_gpu_blocks"],
             [([*k, str(f.metrics.block_size), str(f.metrics.num_blocks)], 1) for k, f in engines],
         )
+        lora = [(k, f.metrics) for k, f in engines if f.metrics.max_loras]
+        if lora:
+            yield gauge_family(
+                "lantau:lora_requests_info",
+                "LoRA adapters with requests running and waiting (vLLM's lora_requests_info; "
+                "value: the scrape's Unix time).",
+                [*names, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                [([*k, str(m.max_loras), *(",".join(a) for a in m.lora_requests())], time.time())
+                 for k, m in lora],
+            )  # fmt: skip
 
     def _gc_pauses(self, engines) -> Metric:
         """Each engine core's collections, and this frontend's own (its engine labels empty)

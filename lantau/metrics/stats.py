@@ -118,6 +118,7 @@ class RequestTiming:
     first_token_s: float = 0.0  # its first output arrived (0: not yet)
     last_token_s: float = 0.0
     finished_s: float = 0.0
+    lora: str | None = None  # its LoRA adapter (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,19 @@ class EngineMetrics:
         self.core_gc = gc_pause_histograms()  # the engine core's collections, by generation
         self.block_size = 0  # the cache's shape, for cache_config_info (set on start)
         self.num_blocks = 0
+        # LoRA adapter slots (0: no adapters, no lora_requests_info) and the requests in
+        # flight (the engine's own dict of timings, set on start)
+        self.max_loras = 0
+        self.in_flight: dict[str, RequestTiming] = {}
+
+    def lora_requests(self) -> tuple[list[str], list[str]]:
+        """(adapters with a request running, adapters with a request waiting for its first
+        scheduling), each sorted: vLLM's lora_requests_info."""
+        running, waiting = set(), set()
+        for timing in list(self.in_flight.values()):
+            if timing.lora is not None:
+                (running if timing.scheduled_s else waiting).add(timing.lora)
+        return sorted(running), sorted(waiting)
 
     def record_finished(self, request_id: str, timing: RequestTiming, output) -> RequestRecord:
         """Observe a request that left the engine (`output`: its last RequestOutput, or None
