@@ -502,3 +502,29 @@ def test_triton_kernels_give_the_reference_tokens(tiny_llama_dir, adapters):
         for a, b, t in zip(ref.outputs[0].logprobs, out.outputs[0].logprobs,
                            ref.outputs[0].token_ids, strict=True):  # fmt: skip
             assert b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4)
+
+
+def test_warm_up_runs_adapter_rows_and_leaves_nothing_behind(tiny_llama_dir, adapters,
+                                                             monkeypatch):  # fmt: skip
+    """With adapters served, the warm-up's requests run through one of them too (so the
+    adapter kernels' eager variants compile before serving), and leave nothing behind: no
+    block, no cached prefix of the adapter's, its slot still served, its tokens as before."""
+    from lantau.engine.warmup import warm_up
+    from lantau.model import ops
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=512,
+              max_model_len=512, max_num_batched_tokens=64,
+              lora_modules=[f"all={adapters['all']}"])  # fmt: skip
+    prompt = {"prompt_token_ids": random_prompts(1, seed=3, max_len=30)[0]}
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora="all")
+    before = llm.generate(prompt, params)[0].outputs[0].token_ids
+    llm.reset_prefix_cache()
+    calls = []
+    reference = ops.add_lora
+    monkeypatch.setattr(ops, "add_lora", lambda *a: calls.append(1) or reference(*a))
+    assert warm_up(llm.engine.core) > 0
+    assert calls  # adapter rows ran
+    check_clean(llm)
+    assert not llm.engine.core.kv_cache.pool.hash_to_block_id
+    assert llm.engine.core.runner.lora_slots == {"all": 0}
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == before

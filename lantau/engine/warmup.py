@@ -8,6 +8,9 @@ integer argument that is 1 or a multiple of 16) is compiled before the first use
             every small size, then decode-only batches of every size as they finish
     wave 3  the sampler's other paths: temperature, top-k/p, min-p, penalties, seeds, logprobs
 
+With LoRA adapters served, every other warm-up request runs through the first one:
+the adapter kernels' variants of eager steps (no CUDA graph captured them) compile here too.
+
 Nothing of it stays: its requests finish, the prefix cache is emptied, the counters zeroed.
 """
 
@@ -46,8 +49,12 @@ def warm_up(core: EngineCore, seed: int = 0) -> float:
     longest = config.scheduler.max_model_len - GREEDY.max_tokens - 1
     lengths = [n for n in PROMPT_LENGTHS if n <= longest]
 
+    adapter = next(iter(core.runner.lora_slots), None)
+
     def request(i: int, length: int, params: SamplingParams) -> Request:
         ids = rng.integers(0, config.model_config.vocab_size, length).tolist()
+        if adapter is not None and i % 2:
+            params = dataclasses.replace(params, lora=adapter)
         return Request(f"warmup-{i}", ids, params, config.model_config.eos_token_ids)
 
     for i, n in enumerate(lengths):  # wave 1
