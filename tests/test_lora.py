@@ -185,8 +185,9 @@ def test_served_adapters_by_name(served_dir, adapters, tmp_path, monkeypatch):
 
     assert expected("all") != expected(None) != expected("qv")
     flags = ("--dtype", "float32", "--served-model-name", "base", "--enable-lora",
-             "--lora-modules", f"all={adapters['all']}", f"qv={adapters['qv']}")  # fmt: skip
-    with lantau_serve(str(served_dir), *flags) as (base, _):
+             "--lora-modules", f"all={adapters['all']}", f"qv={adapters['qv']}",
+             "--log-requests")  # fmt: skip
+    with lantau_serve(str(served_dir), *flags) as (base, proc):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         listed = {m.id: m.model_extra.get("parent") for m in client.models.list().data}
         assert listed == {"base": None, "all": "base", "qv": "base"}
@@ -226,6 +227,15 @@ def test_served_adapters_by_name(served_dir, adapters, tmp_path, monkeypatch):
             next(line for line in lines if line.startswith("data: "))  # running now
             busy = lora_info()
             assert 'running_lora_adapters="qv"' in busy and 'waiting_lora_adapters=""' in busy
+    # the request log names each request's adapter (a platform's usage by adapter)
+    logged = [json.loads(x) for x in proc.output.splitlines() if x.startswith('{"time"')]
+    by_route = [(x["route"], x.get("lora_name")) for x in logged if "e2e_s" in x]
+    assert by_route[:4] == [
+        ("/v1/completions", "all"),
+        ("/v1/completions", "qv"),
+        ("/v1/completions", None),
+        ("/v2/models/qv/generate", "qv"),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -136,6 +136,7 @@ class RequestRecord:
     prefill_s: float | None
     decode_s: float | None
     e2e_s: float
+    lora_name: str | None = None  # the LoRA adapter it ran through (None: the base model)
 
 
 @dataclass
@@ -228,7 +229,7 @@ class EngineMetrics:
             ttft_s=_since(t.first_token_s, t.arrival_s),
             prefill_s=_since(t.first_token_s, t.scheduled_s),
             decode_s=_since(t.finished_s, t.first_token_s),
-            e2e_s=round(t.finished_s - t.arrival_s, 6),
+            e2e_s=round(t.finished_s - t.arrival_s, 6), lora_name=t.lora,
         )  # fmt: skip
         seq_len = len(output.outputs[0].token_ids) if output is not None else 0
         self._observe(record, t, seq_len)
