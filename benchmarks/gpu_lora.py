@@ -6,6 +6,9 @@ server the runs go once to the base model and once to an adapter.
     python3 benchmarks/gpu_lora.py [--model random:llama3-8b] [--rank 16] [--max-loras 4]
         [--runs W1:16:300,W1:inf:300] [--kernels-only] --out $OUT
 
+The adapter server serves --max-loras adapters (one a slot), its adapter runs spread over
+all of them at random (`lantau bench serve --lora-modules`: a platform's brands at once).
+
 First, per projection of llama3-8b (--max-loras slots of rank --rank, the fused parts side by
 side): the adapter delta's device time inside a CUDA graph, lantau/kernels/lora.py's two
 launches (at several K splits, and with no adapter row in the step) against the torch
@@ -120,34 +123,41 @@ def main() -> None:
 
     config = build_engine_config(args.model)[0].model_config
     folder = tempfile.mkdtemp()
-    write_adapter(f"{folder}/brand", config, 1, rank=args.rank)
+    names = [f"brand{i}" for i in range(args.max_loras)]  # an adapter a slot
+    for i, name in enumerate(names):
+        write_adapter(f"{folder}/{name}", config, 1 + i, rank=args.rank)
     specs = args.runs.split(",")
     servers = {
         "no adapters": [],
-        f"{args.max_loras} slots": ["--lora-modules", f"brand={folder}/brand",
-                                     "--max-loras", str(args.max_loras)],  # fmt: skip
-    }  # fmt: skip
+        f"{args.max_loras} adapters": [
+            "--lora-modules",
+            *(f"{n}={folder}/{n}" for n in names),
+            "--max-loras",
+            str(args.max_loras),
+        ],  # fmt: skip
+    }
     rows = []
     for name, extra in servers.items():
         port = free_port()
         proc, ready_s = start_server(args.model, port, extra, out / f"server-{len(rows)}.log")
         print(f"{name}: ready in {ready_s:.1f} s", flush=True)
         try:
-            for model in [None] + (["brand"] if extra else []):
-                for run in serve_runs(f"http://127.0.0.1:{port}", specs, model=model):
-                    rows.append({"server": name, "model": model or "base", "ready_s": ready_s,
-                                 **run})  # fmt: skip
+            for adapters in [()] + ([tuple(names)] if extra else []):
+                base = f"http://127.0.0.1:{port}"
+                for run in serve_runs(base, specs, lora_modules=adapters):
+                    rows.append({"server": name, "model": "adapters" if adapters else "base",
+                                 "ready_s": ready_s, **run})  # fmt: skip
         finally:
             proc.terminate()
             proc.wait(timeout=120)
     (out / "gpu_lora.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(" | ".join(r) for r in kernels))
     print(f"\n{args.model}, adapter rank {args.rank}")
-    print(f"{'server':<14} {'model':<6} {'run':<12} {'tok/s':>7} {'TTFT mean/p95':>15} "
+    print(f"{'server':<14} {'model':<8} {'run':<12} {'tok/s':>7} {'TTFT mean/p95':>15} "
           f"{'ITL mean/p95':>13} {'errors':>6}")  # fmt: skip
     for r in rows:
         s = r["summary"]
-        print(f"{r['server']:<14} {r['model']:<6} {r['spec']:<12} {s['output_throughput']:>7.0f} "
+        print(f"{r['server']:<14} {r['model']:<8} {r['spec']:<12} {s['output_throughput']:>7.0f} "
               f"{s['ttft']['mean']:>7.1f}/{s['ttft']['p95']:<7.1f} "
               f"{s['itl']['mean']:>6.2f}/{s['itl']['p95']:<6.2f} {s['num_errors']:>6}")  # fmt: skip
 

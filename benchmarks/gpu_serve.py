@@ -87,10 +87,12 @@ def serve_runs(
     full: dict | None = None,
     step_log: str | None = None,
     model: str | None = None,
+    lora_modules: tuple[str, ...] = (),
 ) -> list[dict]:
     """Each run's result, its records left out (`full`: where they go, by spec); `step_log`:
     the server's step log, each run's engine steps read from it (its engine_steps); `model`:
-    the requests' model field (None: the server's first)."""
+    the requests' model field (None: the server's first); `lora_modules`: adapters the
+    requests are spread over at random instead."""
     rows = []
     for spec in specs:
         parts, concurrency = spec.split(":"), []
@@ -100,6 +102,7 @@ def serve_runs(
         config = ServeConfig(
             base_url=base,
             model=model,
+            lora_modules=lora_modules,
             workload=workload,
             num_requests=int(num),
             rate=math.inf if rate == "inf" else float(rate),

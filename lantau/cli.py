@@ -621,6 +621,10 @@ def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
         "--structured-output-ratio", type=float, default=1.0,
         help="with --json-schema: the share of requests that carry it",
     )  # fmt: skip
+    p.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME",
+        help="LoRA adapters the server serves: each request names one, picked at random",
+    )  # fmt: skip
     p.add_argument("--sharegpt-output-len", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--gpu-index", default="0", help="NVML devices of this machine, e.g. 0,1")

@@ -407,6 +407,19 @@ def test_cli_json_schema_on_a_share_of_requests(tmp_path):
                  "--structured-output-ratio", "2"]) != 0  # fmt: skip
 
 
+def test_cli_lora_modules_spread_requests_over_adapters():
+    """--lora-modules A B C (vLLM's flag): each request names one of the adapters, picked at
+    random by the seed (the same seed, the same picks), none the base model."""
+    picks = []
+    for _ in range(2):
+        with FakeOpenAIServer(lambda body: Script(ttft_s=0.005, itl_s=0.001)) as server:
+            flags = ["--url", server.url, "--workload", "random:8/3", "--num-prompts", "30",
+                     "--disable-tqdm", "--no-probe", "--lora-modules", "a", "b", "c"]  # fmt: skip
+            assert main(["bench", "serve", *flags]) == 0
+            picks.append([b["model"] for b in sorted(server.bodies, key=lambda b: b["prompt"])])
+    assert set(picks[0]) == {"a", "b", "c"} and picks[0] == picks[1]
+
+
 def test_cli_sweep_stops_at_the_first_slo_miss(tmp_path, capsys):
     """TTFT rises 30 ms with each request already in flight: 4 req/s (no overlap with these
     arrivals) meets TTFT P95 <= 60 ms; 1000 req/s (all six overlap) does not, and 2000 is

@@ -65,6 +65,9 @@ class ServeConfig:
     # the requests, chosen by the seed (vLLM's --structured-output-ratio)
     json_schema: dict | None = None
     structured_output_ratio: float = 1.0
+    # LoRA adapters the server serves: each request names one of them, picked at random by the
+    # seed (vLLM's --lora-modules); empty: every request names `model`
+    lora_modules: tuple[str, ...] = ()
     # an https:// server: the CAs its certificate is checked against (None: the system's), or
     # no check at all (insecure: a test server's own certificate)
     ssl_ca_certs: str | None = None
@@ -211,6 +214,15 @@ def constrained_requests(config: ServeConfig, num_requests: int) -> set[int]:
         return set()
     count = round(config.structured_output_ratio * num_requests)
     return set(random.Random(config.seed).sample(range(num_requests), count))
+
+
+def request_models(config: ServeConfig, model: str | None, num_requests: int) -> list:
+    """Each request's model field: one of config.lora_modules at random (by the seed, a stream
+    of its own), else `model`."""
+    if not config.lora_modules:
+        return [model] * num_requests
+    rng = random.Random(f"lora-{config.seed}")
+    return [rng.choice(config.lora_modules) for _ in range(num_requests)]
 
 
 def request_body(
@@ -444,7 +456,9 @@ async def run_serve_async(
         model = config.model or await _served_model(session, base, headers)
         status = await _server_status(session, base, headers)
         constrained = constrained_requests(config, len(requests))
-        bodies = [request_body(r, config, model, i in constrained) for i, r in enumerate(requests)]
+        models = request_models(config, model, len(requests))
+        bodies = [request_body(r, config, m, i in constrained)
+                  for i, (r, m) in enumerate(zip(requests, models, strict=True))]  # fmt: skip
         if config.is_probed and bodies:
             await _probe(session, base + endpoint, bodies[0], headers)
         payloads = [json.dumps(b).encode() for b in bodies]
@@ -558,6 +572,7 @@ def config_from_args(args) -> ServeConfig:
         step_log=args.step_log,
         json_schema=_json_schema(args.json_schema),
         structured_output_ratio=args.structured_output_ratio,
+        lora_modules=tuple(args.lora_modules or ()),
         ssl_ca_certs=args.ssl_ca_certs,
         insecure=args.insecure,
     )
