@@ -144,7 +144,8 @@ def test_adapters_lantau_cannot_apply_are_named_errors(tiny_llama_dir, adapters,
 def test_adapters_split_over_two_ranks_give_the_one_rank_tokens(tiny_llama_dir, adapters):
     """Tensor parallel (gloo, two ranks): each rank holds its slices of every adapter (B by
     rows where the projection splits its rows, A by columns where it splits its input) and
-    the mixed batch's tokens are the one-rank engine's."""
+    the mixed batch's tokens are the one-rank engine's; the two ranks run the triton
+    backend's adapter kernels on their slices, the one rank the torch reference."""
     common = dict(dtype="float32", device="cpu", num_kv_blocks=64,
                   lora_modules=[f"all={adapters['all']}", f"qv={adapters['qv']}"])  # fmt: skip
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, seed=5, max_len=30)]
@@ -154,7 +155,8 @@ def test_adapters_split_over_two_ranks_give_the_one_rank_tokens(tiny_llama_dir, 
     def run(llm) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
-    split = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **common)
+    split = LLM(str(tiny_llama_dir), tensor_parallel_size=2, attention_backend="triton",
+                **common)  # fmt: skip
     tokens = run(split)
     del split
     assert tokens == run(LLM(str(tiny_llama_dir), **common))
@@ -379,7 +381,8 @@ def test_runtime_adapters_on_two_ranks(tiny_llama_dir, adapters):
         llm.engine.core.load_adapter("all", str(adapters["all"]))
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
-    split = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **common)
+    split = LLM(str(tiny_llama_dir), tensor_parallel_size=2, attention_backend="triton",
+                **common)  # fmt: skip
     tokens = run(split)
     del split
     assert tokens == run(LLM(str(tiny_llama_dir), **common))
