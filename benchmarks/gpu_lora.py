@@ -96,7 +96,7 @@ def kernel_row(name, k, n, parts, tokens, rank, slots, device="cuda", timer=None
 def kernel_rows(rank: int, slots: int) -> list[tuple[str, str, str]]:
     rows = []
     for name, (k, n, parts) in SHAPES_8B.items():
-        for tokens in (1, 20, 64, 256):
+        for tokens in (1, 20, 64, 256, 1024):  # decode batches, mixed steps
             rows.append(kernel_row(name, k, n, parts, tokens, rank, slots))
             print(rows[-1], flush=True)
     return rows
