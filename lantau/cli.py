@@ -306,7 +306,8 @@ def serve(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     names = set(args.served_model_name or [args.model or "SmolLM2-135M-Instruct"])
-    problem = _lora_problem(args.lora_modules, args.max_loras, names, repository is not None)
+    problem = _lora_problem(args.lora_modules, args.max_loras, names, repository is not None,
+                            args.lora_dir)  # fmt: skip
     if problem:
         print(f"lantau serve: {problem}", file=sys.stderr)
         return 2
@@ -355,6 +356,7 @@ def serve(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        lora_dir=args.lora_dir,
         **cors,
         tls=tls,
     )
@@ -399,10 +401,15 @@ def serve_engine_args(args: argparse.Namespace) -> dict:
 
 
 def _lora_problem(
-    specs: list[str] | None, max_loras: int, served_names: set[str], repository: bool
+    specs: list[str] | None,
+    max_loras: int,
+    served_names: set[str],
+    repository: bool,
+    lora_dir: str | None = None,
 ) -> str | None:
-    """Why `--lora-modules` / `--max-loras` cannot be served as given, or None."""
-    if not specs and not max_loras:
+    """Why `--lora-modules` / `--max-loras` / `--lora-dir` cannot be served as given, or
+    None."""
+    if not specs and not max_loras and lora_dir is None:
         return None
     if repository:
         return "--lora-modules: not with a model repository (its models' adapters are not read)"
@@ -412,6 +419,12 @@ def _lora_problem(
         modules = parse_lora_modules(specs)
     except ValueError as e:
         return str(e)
+    if lora_dir is not None:
+        if not os.path.isdir(lora_dir):
+            return f"--lora-dir {lora_dir}: not a folder"
+        if max_loras <= len(modules):
+            return (f"--lora-dir needs a slot beyond the --lora-modules adapters': --max-loras "
+                    f"{len(modules) + 1} or more")  # fmt: skip
     taken = sorted({name for name, _ in modules} & served_names)
     return f"lora module {taken[0]!r}: the served model's own name" if taken else None
 
@@ -727,6 +740,13 @@ def make_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="the largest rank a slot holds (default: the modules' largest, else 16)",
+    )
+    p.add_argument(
+        "--lora-dir",
+        default=None,
+        metavar="DIR",
+        help="every PEFT adapter folder DIR/NAME is served as NAME, loaded on its first request "
+        "into a free --max-loras slot (or the least recently used idle one's)",
     )
     p.add_argument(
         "--allow-runtime-lora-updating",

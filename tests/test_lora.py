@@ -246,6 +246,8 @@ def test_served_adapters_by_name(served_dir, adapters, tmp_path, monkeypatch):
         (["--lora-modules", "nofolder"], "lora module 'nofolder': expected NAME=PATH"),
         (["--served-model-name", "a", "--lora-modules", "a=/x"], "the served model's own name"),
         (["--lora-modules", "a=/nonexistent"], "lora module 'a' (/nonexistent): no adapter_config"),
+        (["--lora-dir", "/"], "--lora-dir needs a slot beyond the --lora-modules adapters'"),
+        (["--lora-dir", "/nonexistent", "--max-loras", "1"], "--lora-dir /nonexistent: not a"),
     ],
 )
 def test_bad_lora_modules_stop_the_server_with_their_reason(flags, message):
@@ -541,3 +543,95 @@ def test_warm_up_runs_adapter_rows_and_leaves_nothing_behind(tiny_llama_dir, ada
     assert not llm.engine.core.kv_cache.pool.hash_to_block_id
     assert llm.engine.core.runner.lora_slots == {"all": 0}
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == before
+
+
+def test_lora_dir_serves_adapters_by_folder_loaded_on_first_request(
+    served_dir, adapters, tmp_path, monkeypatch
+):
+    """`--lora-dir DIR --max-loras 2`: a request naming a folder of DIR loads that adapter
+    into a free slot on its first request (its answers the adapter's, as the offline engine
+    gives them), into the least recently asked idle one's slot once both are taken; names
+    that are not folders of DIR (or not names) are 404s; with every slot's adapter busy, a
+    third is a 429 and nothing is lost; many first requests at once load it once."""
+    import asyncio
+    import shutil
+
+    import httpx
+
+    from tests.servers import lantau_serve
+
+    root = tmp_path / "loras"
+    shutil.copytree(adapters["all"], root / "all")
+    shutil.copytree(adapters["qv"], root / "qv")
+    save_adapter(served_dir, root / "third", 3, r=4, lora_alpha=8,
+                 target_modules=["o_proj", "down_proj"])  # fmt: skip
+    prompt = random_prompts(1, seed=23, max_len=30)[0]
+    offline = LLM(str(served_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+                  lora_modules=[f"{n}={root / n}" for n in ("all", "qv", "third")])  # fmt: skip
+
+    def expected(lora) -> str:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora=lora)
+        return offline.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].text
+
+    delay = tmp_path / "delay"  # 10 ms a step: held streams stay in flight
+    delay.write_text("0.01")
+    monkeypatch.setenv("LANTAU_TEST_STEP_DELAY_FILE", str(delay))
+    flags = ("--dtype", "float32", "--served-model-name", "base", "--lora-dir", str(root),
+             "--max-loras", "2", "--max-lora-rank", "8")  # fmt: skip
+    with lantau_serve(str(served_dir), *flags) as (base, _):
+
+        def ask(model: str) -> httpx.Response:
+            body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
+                    "ignore_eos": True}  # fmt: skip
+            return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+
+        def served() -> set[str]:
+            return {m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]}
+
+        assert served() == {"base"}
+        for model, now in (("all", {"all"}), ("qv", {"all", "qv"}), ("third", {"qv", "third"}),
+                           ("all", {"third", "all"})):  # fmt: skip
+            reply = ask(model)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == expected(model), model
+            assert served() == {"base", *now}, model
+        for name in ("nope", "..", "a/../all"):
+            assert ask(name).status_code == 404, name
+
+        async def busy_then_third() -> tuple[int, str, list[int]]:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                held = []
+                for model in ("third", "all"):  # a long stream on each slot's adapter
+                    body = {"model": model, "prompt": prompt, "max_tokens": 300, "stream": True,
+                            "ignore_eos": True}  # fmt: skip
+                    stream = client.stream("POST", "/v1/completions", json=body)
+                    response = await stream.__aenter__()
+                    lines = response.aiter_lines()
+                    while not (await anext(lines)).startswith("data: "):
+                        pass
+                    held.append((stream, lines))
+                refused = await client.post("/v1/completions", json={
+                    "model": "qv", "prompt": prompt, "max_tokens": 2})  # fmt: skip
+                ends = []
+                for stream, lines in held:  # both finish whole
+                    async for line in lines:
+                        if line.startswith("data: ") and '"finish_reason":"length"' in line:
+                            ends.append(1)
+                    await stream.__aexit__(None, None, None)
+                return refused.status_code, refused.text, ends
+
+        status, text, ends = asyncio.run(busy_then_third())
+        assert status == 429 and "all 2 LoRA adapter slots" in text, text
+        assert ends == [1, 1]
+
+        async def at_once() -> list[int]:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                body = {"model": "qv", "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
+                        "ignore_eos": True}  # fmt: skip
+                replies = await asyncio.gather(
+                    *(client.post("/v1/completions", json=body) for _ in range(6))
+                )
+                return [r.json()["choices"][0]["text"] for r in replies]
+
+        assert asyncio.run(at_once()) == [expected("qv")] * 6
+        assert served() == {"base", "qv", "all"}  # the least recently asked (third) went

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import pickle
 import shutil
 import tempfile
@@ -136,6 +137,7 @@ class AsyncLLM:
         metrics: EngineMetrics | None = None,
         sampling_defaults: dict | None = None,
         chat_template: str | None = None,
+        lora_dir: str | None = None,
     ) -> None:
         self.config = config
         self.chat_template = chat_template  # --chat-template: the tokenizer's own replaced
@@ -157,6 +159,13 @@ class AsyncLLM:
         # LoRA adapters served now (the start-up ones, then as loads and unloads succeed)
         self.lora_names: list[str] = [name for name, _ in config.lora_modules]
         self._adapter_calls: dict[str, asyncio.Future] = {}
+        # --lora-dir: any adapter folder in it is served by its name, loaded on its first
+        # request into a free slot, or the least recently used idle one it loaded
+        self.lora_dir = lora_dir
+        self.lora_slots = max(config.max_loras, len(config.lora_modules))
+        self.lora_in_flight: dict[str, int] = {}  # adapter -> requests in flight here
+        self._lora_used: dict[str, float] = {}  # adapter from lora_dir -> when last asked
+        self._lora_loading: dict[str, asyncio.Future] = {}
         self.last_report = 0.0  # time.monotonic() of the core's last message
         self.last_progress = 0.0  # ... of its last message while requests were in flight
         self.num_blocks = 0
@@ -354,7 +363,19 @@ class AsyncLLM:
                 f"{self.num_pending_seqs} sequences and {self.num_pending_tokens} prompt tokens "
                 "pending"
             )
-        children = self.processor.add_request(request_id, text, ids, params, priority)
+        lora = params.lora if self.lora_dir is not None else None
+        if lora is not None:  # pinned in its slot from here until it ends
+            self.lora_in_flight[lora] = self.lora_in_flight.get(lora, 0) + 1
+            try:
+                await self._ensure_adapter(lora)
+            except BaseException:
+                self._unpin(lora)
+                raise
+        try:
+            children = self.processor.add_request(request_id, text, ids, params, priority)
+        except BaseException:
+            self._unpin(lora)
+            raise
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         self.awaiting_first.add(request_id)
@@ -381,6 +402,7 @@ class AsyncLLM:
             self.num_pending_tokens -= num_tokens
             self.num_pending_seqs -= params.n
             self._record_finished(request_id, last)
+            self._unpin(lora)
             if not finished:  # disconnect, deadline or error: free its blocks now
                 await self.abort(request_id)
 
@@ -414,6 +436,63 @@ class AsyncLLM:
         """The adapter out of its slot (ValueError: unknown, or requests still use it)."""
         await self._adapter_call(name, "")
         self.lora_names.remove(name)
+        self._lora_used.pop(name, None)
+
+    def lora_dir_has(self, name: str) -> bool:
+        """Whether `name` is an adapter folder of --lora-dir (a served name on its first
+        request); the name is checked before it touches the filesystem."""
+        from lantau.model.lora import NAME
+
+        if self.lora_dir is None or not NAME.match(name) or name in (".", ".."):
+            return False
+        return os.path.isfile(os.path.join(self.lora_dir, name, "adapter_config.json"))
+
+    def _unpin(self, lora: str | None) -> None:
+        if lora is not None:
+            self.lora_in_flight[lora] -= 1
+            if not self.lora_in_flight[lora]:
+                del self.lora_in_flight[lora]
+
+    async def _ensure_adapter(self, name: str) -> None:
+        """--lora-dir's adapter `name` in a slot: loaded now unless it is (one load however
+        many requests ask at once), a slot freed first when none is (the least recently
+        asked adapter this directory loaded with no request in flight); EngineOverloadedError
+        when every slot holds an adapter with requests in flight."""
+        if name in self.lora_names:
+            if name in self._lora_used:
+                self._lora_used[name] = time.monotonic()
+            return
+        loading = self._lora_loading.get(name)
+        if loading is not None:
+            return await asyncio.shield(loading)
+        if not self.lora_dir_has(name):
+            raise InvalidRequestError("model", f"{name!r} is not a LoRA adapter of this server")
+        done = self._lora_loading[name] = asyncio.get_running_loop().create_future()
+        try:
+            if len(self.lora_names) + len(self._lora_loading) - 1 >= self.lora_slots:
+                await self._free_a_slot()
+            await self.load_lora_adapter(name, os.path.join(self.lora_dir, name))
+            self._lora_used[name] = time.monotonic()
+            done.set_result(None)
+        except BaseException as e:
+            done.set_exception(e)
+            done.exception()  # retrieved: a load nobody else awaited logs nothing
+            raise
+        finally:
+            self._lora_loading.pop(name, None)
+
+    async def _free_a_slot(self) -> None:
+        for name in sorted(self._lora_used, key=self._lora_used.get):
+            if self.lora_in_flight.get(name):
+                continue
+            try:
+                await self.unload_lora_adapter(name)
+            except ValueError:  # the core still holds a request of it (one just aborted)
+                continue
+            return
+        raise EngineOverloadedError(
+            f"all {self.lora_slots} LoRA adapter slots hold adapters with requests in flight"
+        )
 
     async def _adapter_call(self, name: str, path: str) -> None:
         call_id = f"adapter-{time.monotonic_ns()}"

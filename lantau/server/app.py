@@ -77,6 +77,7 @@ class ServerConfig:
 
     trust_request_chat_template: bool = False  # a request's `chat_template` runs
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    lora_dir: str | None = None  # adapters served by folder name, loaded on first request
 
     @property
     def limits(self) -> RequestLimits:
@@ -373,6 +374,7 @@ async def _start_fixed_model(engine_args: dict, config: ServerConfig, started: f
         metrics=metrics,
         sampling_defaults=defaults,
         chat_template=config.chat_template,
+        lora_dir=config.lora_dir,
     )
     await engine.start(tokenizer=asyncio.to_thread(load_tokenizer, source), core=core)
     engine.startup_s = {"total": time.perf_counter() - started, **startup, **engine.startup_s}

@@ -150,7 +150,10 @@ class SingleModelRouter(ModelRouter):
     def get(self, name: str | None) -> ServedModel | None:
         if name is None or name in (self.model.name, *self.aliases):
             return self.model
-        return AdapterModel(self.model, name) if name in self.adapter_names() else None
+        engine = self.model.engine
+        if name in self.adapter_names() or engine.lora_dir_has(name):  # --lora-dir: loads
+            return AdapterModel(self.model, name)
+        return None
 
     def names(self) -> list[str]:
         return [self.model.name, *self.aliases, *self.adapter_names()]
