@@ -551,8 +551,9 @@ def test_lora_dir_serves_adapters_by_folder_loaded_on_first_request(
     """`--lora-dir DIR --max-loras 2`: a request naming a folder of DIR loads that adapter
     into a free slot on its first request (its answers the adapter's, as the offline engine
     gives them), into the least recently asked idle one's slot once both are taken; names
-    that are not folders of DIR (or not names) are 404s; with every slot's adapter busy, a
-    third is a 429 and nothing is lost; many first requests at once load it once."""
+    that are not folders of DIR (or not names) are 404s, an adapter over the slots' rank a
+    400; with every slot's adapter busy, a third is a 429 and nothing is lost; many first
+    requests at once load it once."""
     import asyncio
     import shutil
 
@@ -565,6 +566,7 @@ def test_lora_dir_serves_adapters_by_folder_loaded_on_first_request(
     shutil.copytree(adapters["qv"], root / "qv")
     save_adapter(served_dir, root / "third", 3, r=4, lora_alpha=8,
                  target_modules=["o_proj", "down_proj"])  # fmt: skip
+    save_adapter(served_dir, root / "big", 4, r=16, target_modules=["q_proj"])  # over rank 8
     prompt = random_prompts(1, seed=23, max_len=30)[0]
     offline = LLM(str(served_dir), device="cpu", dtype="float32", num_kv_blocks=64,
                   lora_modules=[f"{n}={root / n}" for n in ("all", "qv", "third")])  # fmt: skip
@@ -597,6 +599,9 @@ def test_lora_dir_serves_adapters_by_folder_loaded_on_first_request(
             assert served() == {"base", *now}, model
         for name in ("nope", "..", "a/../all"):
             assert ask(name).status_code == 404, name
+        refused = ask("big")  # its rank is over the slots': a 400 with the reason
+        assert refused.status_code == 400 and "big" in refused.text, refused.text
+        assert "big" not in served()
 
         async def busy_then_third() -> tuple[int, str, list[int]]:
             async with httpx.AsyncClient(base_url=base, timeout=60) as client:

@@ -471,7 +471,10 @@ class AsyncLLM:
         try:
             if len(self.lora_names) + len(self._lora_loading) - 1 >= self.lora_slots:
                 await self._free_a_slot()
-            await self.load_lora_adapter(name, os.path.join(self.lora_dir, name))
+            try:
+                await self.load_lora_adapter(name, os.path.join(self.lora_dir, name))
+            except ValueError as e:  # an adapter this engine cannot apply: the client's 400
+                raise InvalidRequestError("model", str(e)) from None
             self._lora_used[name] = time.monotonic()
             done.set_result(None)
         except BaseException as e:
