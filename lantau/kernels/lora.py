@@ -9,7 +9,9 @@ A holds every slot's rows side by side (`rank` rows a slot: a fused projection's
 the adapters' largest rank), B every slot's columns. A program whose tokens use none of its
 columns' slots (the base model's rows, other adapters') skips its loop: a step without adapter
 rows costs the two launches only, so the CUDA graphs capture these kernels whatever the batch
-holds. xa is rounded to the activations' dtype between the two, as the reference's product is.
+holds. The shrink writes fp32 partial sums, one a split of K (a decode batch has few programs
+otherwise, each walking all of K); the expand adds them up and rounds xa to the activations'
+dtype, as the reference's product is, before B.
 """
 
 from __future__ import annotations
