@@ -150,8 +150,8 @@ class SingleModelRouter(ModelRouter):
     def get(self, name: str | None) -> ServedModel | None:
         if name is None or name in (self.model.name, *self.aliases):
             return self.model
-        engine = self.model.engine
-        if name in self.adapter_names() or engine.lora_dir_has(name):  # --lora-dir: loads
+        in_dir = getattr(self.model.engine, "lora_dir_has", None)  # --lora-dir: loads it
+        if name in self.adapter_names() or (in_dir is not None and in_dir(name)):
             return AdapterModel(self.model, name)
         return None
 
