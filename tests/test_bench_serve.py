@@ -407,17 +407,27 @@ def test_cli_json_schema_on_a_share_of_requests(tmp_path):
                  "--structured-output-ratio", "2"]) != 0  # fmt: skip
 
 
-def test_cli_lora_modules_spread_requests_over_adapters():
+def test_cli_lora_modules_spread_requests_over_adapters(tmp_path):
     """--lora-modules A B C (vLLM's flag): each request names one of the adapters, picked at
-    random by the seed (the same seed, the same picks), none the base model."""
+    random by the seed (the same seed, the same picks), none the base model; the report has
+    each adapter's requests apart (here "b" answers 60 ms later than the others)."""
     picks = []
-    for _ in range(2):
-        with FakeOpenAIServer(lambda body: Script(ttft_s=0.005, itl_s=0.001)) as server:
+    for run in range(2):
+        with FakeOpenAIServer(
+            lambda body: Script(ttft_s=0.065 if body["model"] == "b" else 0.005, itl_s=0.001)
+        ) as server:
             flags = ["--url", server.url, "--workload", "random:8/3", "--num-prompts", "30",
-                     "--disable-tqdm", "--no-probe", "--lora-modules", "a", "b", "c"]  # fmt: skip
+                     "--disable-tqdm", "--no-probe", "--lora-modules", "a", "b", "c",
+                     "--out", str(tmp_path / str(run))]  # fmt: skip
             assert main(["bench", "serve", *flags]) == 0
             picks.append([b["model"] for b in sorted(server.bodies, key=lambda b: b["prompt"])])
     assert set(picks[0]) == {"a", "b", "c"} and picks[0] == picks[1]
+    result = json.loads((tmp_path / "0" / "results.json").read_text())
+    by_model = result["by_model"]
+    assert sorted(by_model) == ["a", "b", "c"]
+    assert [by_model[m]["num_completed"] for m in "abc"] == [picks[0].count(m) for m in "abc"]
+    assert by_model["b"]["ttft"]["mean"] > 50 > max(by_model[m]["ttft"]["mean"] for m in "ac")
+    assert "## By model" in (tmp_path / "0" / "report.md").read_text()
 
 
 def test_cli_sweep_stops_at_the_first_slo_miss(tmp_path, capsys):

@@ -215,7 +215,23 @@ def serve_blocks(result: dict) -> list[Block]:
     ]
     if s["errors"]:
         blocks.append(("table", ["error", "count"], [[k, str(n)] for k, n in s["errors"].items()]))
-    return blocks + _breakdown_blocks(result) + _steps_blocks(result) + _metrics_blocks(result)
+    return (blocks + _by_model_blocks(result) + _breakdown_blocks(result) + _steps_blocks(result)
+            + _metrics_blocks(result))  # fmt: skip
+
+
+def _by_model_blocks(result: dict) -> list[Block]:
+    """With --lora-modules: each adapter's requests (the same run, its share of the traffic)."""
+    by_model = result.get("by_model") or {}
+    if not by_model:
+        return []
+    header = ["model", "requests", "output tok/s", "TTFT mean", "TTFT P95", "ITL mean",
+              "ITL P95", "e2e P95", "errors"]  # fmt: skip
+    rows = [[name, str(m["num_completed"]), _fmt(m["output_throughput"], 0),
+             _fmt(m["ttft"]["mean"], 1), _fmt(m["ttft"]["p95"], 1), _fmt(m["itl"]["mean"], 2),
+             _fmt(m["itl"]["p95"], 2), _fmt(m["e2e"]["p95"], 1),
+             str(m["num_requests"] - m["num_completed"])]
+            for name, m in by_model.items()]  # fmt: skip
+    return [("h2", "By model (latencies in ms)"), ("table", header, rows)]
 
 
 def sweep_blocks(result: dict) -> list[Block]:

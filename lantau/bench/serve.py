@@ -95,6 +95,8 @@ class ServeResult:
     server_status: dict | None = None
     # the run's engine steps by kind, from the server's step log (config.step_log)
     engine_steps: dict | None = None
+    # with config.lora_modules: each adapter's requests summarized apart
+    by_model: dict[str, ServeSummary] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         summary = asdict(self.summary)
@@ -114,6 +116,7 @@ class ServeResult:
             "server_status": self.server_status,
             "time_breakdown": time_breakdown(self.summary, self.server_metrics.get("series", {})),
             "engine_steps": self.engine_steps,
+            "by_model": {name: asdict(m) for name, m in self.by_model.items()},
             "records": [{**asdict(r), "tpot_s": r.tpot_s} for r in self.records],
         }
         return jsonable(out)
@@ -480,9 +483,15 @@ async def run_serve_async(
             await asyncio.gather(sampling, return_exceptions=True)
             await metrics.sample(session, origin)  # every request ended: the run's last figures
         progress.close()
+    by_model = {}
+    if config.lora_modules:  # each adapter's requests apart, over the same run
+        for name in sorted(set(models)):
+            mine = [r for r in records if models[r.index] == name]
+            by_model[name] = summarize(mine, duration, config.slo)
     return ServeResult(
         config=replace(config, model=model),
         summary=summarize(records, duration, config.slo),
+        by_model=by_model,
         records=tuple(records),
         gpu_util=tuple(zip(gpu.times_s, gpu.samples, strict=True)),
         server_metrics=metrics.summary(),
