@@ -166,8 +166,8 @@ def test_served_adapters_by_name(served_dir, adapters, tmp_path, monkeypatch):
     """`lantau serve --lora-modules`: /v1/models lists each adapter with its base model as
     parent; a completion naming an adapter is that adapter's (the offline engine's text with
     it, checked against PEFT above), one naming the base model is the base model's, and an
-    unknown name is a 404. /metrics names the adapters with requests running (vLLM's
-    lora_requests_info)."""
+    unknown name is a 404. /metrics counts each adapter's requests and tokens and names the
+    adapters with requests running (vLLM's lora_requests_info)."""
     import httpx
     import openai
 
@@ -219,6 +219,18 @@ def test_served_adapters_by_name(served_dir, adapters, tmp_path, monkeypatch):
             return next(line for line in text.splitlines()
                         if line.startswith("lantau:lora_requests_info{"))  # fmt: skip
 
+        # usage by adapter: the two completions and the KServe generate above, 8 tokens each
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+
+        def usage(metric: str, lora: str) -> float:
+            label = f'lora_name="{lora}"'
+            return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith(f"{metric}{{") and label in line)  # fmt: skip
+
+        assert usage("lantau:lora_requests_total", "all") == 1
+        assert usage("lantau:lora_requests_total", "qv") == 2
+        assert usage("lantau:lora_generation_tokens_total", "qv") == 16
+        assert usage("lantau:lora_prompt_tokens_total", "all") == len(prompt)
         idle = lora_info()
         assert all(label in idle for label in ('max_lora="2"', 'model_name="base"',
                    'running_lora_adapters=""', 'waiting_lora_adapters=""')), idle  # fmt: skip

@@ -156,6 +156,12 @@ REQUEST_COUNTERS = (
     ("lantau:request_aborted", "Requests that left before they finished.",
      lambda m: m.finished.get("abort", 0)),
 )  # fmt: skip
+# each LoRA adapter's usage, EngineMetrics.lora_usage's columns in order
+LORA_USAGE = (
+    ("lantau:lora_requests", "Finished requests that ran through each LoRA adapter."),
+    ("lantau:lora_prompt_tokens", "Prompt tokens of finished requests, by LoRA adapter."),
+    ("lantau:lora_generation_tokens", "Output tokens of finished requests, by LoRA adapter."),
+)
 # histograms of EngineMetrics other than the latencies: (metric, help, the histogram)
 LENGTH_HISTOGRAMS = (
     ("lantau:request_prompt_tokens", "Prompt tokens a request.", lambda m: m.prompt_tokens),
@@ -210,6 +216,11 @@ class EngineCollector:
             [([*k, str(f.metrics.block_size), str(f.metrics.num_blocks)], 1) for k, f in engines],
         )
         lora = [(k, f.metrics) for k, f in engines if f.metrics.max_loras]
+        for i, (name, doc) in enumerate(LORA_USAGE):
+            yield counter_family(name, doc, [*names, "lora_name"], [
+                ([*k, adapter], usage[i]) for k, m in lora
+                for adapter, usage in sorted(m.lora_usage.items())
+            ])  # fmt: skip
         if lora:
             yield gauge_family(
                 "lantau:lora_requests_info",

@@ -203,6 +203,8 @@ class EngineMetrics:
         # flight (the engine's own dict of timings, set on start)
         self.max_loras = 0
         self.in_flight: dict[str, RequestTiming] = {}
+        # each adapter's finished requests, prompt and output tokens (usage by adapter)
+        self.lora_usage: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
 
     def lora_requests(self) -> tuple[list[str], list[str]]:
         """(adapters with a request running, adapters with a request waiting for its first
@@ -245,6 +247,11 @@ class EngineMetrics:
         self.num_cached_tokens += r.num_cached_tokens
         self.prompt_tokens.observe(r.num_prompt_tokens)
         self.output_tokens.observe(r.num_output_tokens)
+        if r.lora_name is not None:
+            usage = self.lora_usage[r.lora_name]
+            usage[0] += 1
+            usage[1] += r.num_prompt_tokens
+            usage[2] += r.num_output_tokens
         e2e = t.finished_s - t.arrival_s
         lat["e2e"].observe(e2e)
         if r.finish_reason == "abort":
