@@ -457,32 +457,36 @@ class AsyncLLM:
         """--lora-dir's adapter `name` in a slot: loaded now unless it is (one load however
         many requests ask at once), a slot freed first when none is (the least recently
         asked adapter this directory loaded with no request in flight); EngineOverloadedError
-        when every slot holds an adapter with requests in flight."""
+        when every slot holds an adapter with requests in flight.
+
+        NOTE: the load runs as a task of its own that the requests await shielded: a client
+        that leaves mid-load cancels its wait, never the load, so the frontend's list of
+        loaded adapters always agrees with the core's slots."""
         if name in self.lora_names:
             if name in self._lora_used:
                 self._lora_used[name] = time.monotonic()
             return
         loading = self._lora_loading.get(name)
-        if loading is not None:
-            return await asyncio.shield(loading)
-        if not self.lora_dir_has(name):
-            raise InvalidRequestError("model", f"{name!r} is not a LoRA adapter of this server")
-        done = self._lora_loading[name] = asyncio.get_running_loop().create_future()
+        if loading is None:
+            if not self.lora_dir_has(name):
+                raise InvalidRequestError("model", f"{name!r} is not a LoRA adapter of this server")
+            loading = self._lora_loading[name] = asyncio.ensure_future(self._load_from_dir(name))
+            loading.add_done_callback(lambda task: self._lora_loaded(name, task))
+        await asyncio.shield(loading)
+
+    async def _load_from_dir(self, name: str) -> None:
+        if len(self.lora_names) + len(self._lora_loading) - 1 >= self.lora_slots:
+            await self._free_a_slot()
         try:
-            if len(self.lora_names) + len(self._lora_loading) - 1 >= self.lora_slots:
-                await self._free_a_slot()
-            try:
-                await self.load_lora_adapter(name, os.path.join(self.lora_dir, name))
-            except ValueError as e:  # an adapter this engine cannot apply: the client's 400
-                raise InvalidRequestError("model", str(e)) from None
-            self._lora_used[name] = time.monotonic()
-            done.set_result(None)
-        except BaseException as e:
-            done.set_exception(e)
-            done.exception()  # retrieved: a load nobody else awaited logs nothing
-            raise
-        finally:
-            self._lora_loading.pop(name, None)
+            await self.load_lora_adapter(name, os.path.join(self.lora_dir, name))
+        except ValueError as e:  # an adapter this engine cannot apply: the client's 400
+            raise InvalidRequestError("model", str(e)) from None
+        self._lora_used[name] = time.monotonic()
+
+    def _lora_loaded(self, name: str, task: asyncio.Future) -> None:
+        self._lora_loading.pop(name, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: a load every requester left logs nothing
 
     async def _free_a_slot(self) -> None:
         for name in sorted(self._lora_used, key=self._lora_used.get):
