@@ -263,6 +263,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
+    @property
+    def num_lora_slots(self) -> int:
+        """LoRA adapter slots: max_loras, or one a start-up module (0: no adapters)."""
+        return max(self.max_loras, len(self.lora_modules))
+
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         return dataclasses.replace(
             self, cache=dataclasses.replace(self.cache, num_blocks=num_blocks)

@@ -483,15 +483,16 @@ async def run_serve_async(
             await asyncio.gather(sampling, return_exceptions=True)
             await metrics.sample(session, origin)  # every request ended: the run's last figures
         progress.close()
-    by_model = {}
+    by_model: dict[str, list[RequestRecord]] = {}
     if config.lora_modules:  # each adapter's requests apart, over the same run
-        for name in sorted(set(models)):
-            mine = [r for r in records if models[r.index] == name]
-            by_model[name] = summarize(mine, duration, config.slo)
+        for r in records:
+            by_model.setdefault(models[r.index], []).append(r)
     return ServeResult(
         config=replace(config, model=model),
         summary=summarize(records, duration, config.slo),
-        by_model=by_model,
+        by_model={
+            name: summarize(mine, duration, config.slo) for name, mine in sorted(by_model.items())
+        },  # fmt: skip
         records=tuple(records),
         gpu_util=tuple(zip(gpu.times_s, gpu.samples, strict=True)),
         server_metrics=metrics.summary(),

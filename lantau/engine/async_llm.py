@@ -162,7 +162,7 @@ class AsyncLLM:
         # --lora-dir: any adapter folder in it is served by its name, loaded on its first
         # request into a free slot, or the least recently used idle one it loaded
         self.lora_dir = lora_dir
-        self.lora_slots = max(config.max_loras, len(config.lora_modules))
+        self.lora_slots = config.num_lora_slots
         self.lora_in_flight: dict[str, int] = {}  # adapter -> requests in flight here
         self._lora_used: dict[str, float] = {}  # adapter from lora_dir -> when last asked
         self._lora_loading: dict[str, asyncio.Future] = {}
@@ -219,7 +219,7 @@ class AsyncLLM:
         if self.metrics is not None:
             self.metrics.block_size = self.config.cache.block_size
             self.metrics.num_blocks = ready.num_blocks
-            self.metrics.max_loras = max(self.config.max_loras, len(self.config.lora_modules))
+            self.metrics.max_loras = self.lora_slots
             self.metrics.in_flight = self.timings
         self.last_report = self.last_progress = time.monotonic()
         self._tasks = [
@@ -366,12 +366,9 @@ class AsyncLLM:
         lora = params.lora if self.lora_dir is not None else None
         if lora is not None:  # pinned in its slot from here until it ends
             self.lora_in_flight[lora] = self.lora_in_flight.get(lora, 0) + 1
-            try:
-                await self._ensure_adapter(lora)
-            except BaseException:
-                self._unpin(lora)
-                raise
         try:
+            if lora is not None:
+                await self._ensure_adapter(lora)
             children = self.processor.add_request(request_id, text, ids, params, priority)
         except BaseException:
             self._unpin(lora)
@@ -443,7 +440,7 @@ class AsyncLLM:
         request); the name is checked before it touches the filesystem."""
         from lantau.model.lora import NAME
 
-        if self.lora_dir is None or not NAME.match(name) or name in (".", ".."):
+        if self.lora_dir is None or not NAME.match(name):  # NOTE: never "." or ".."
             return False
         return os.path.isfile(os.path.join(self.lora_dir, name, "adapter_config.json"))
 
