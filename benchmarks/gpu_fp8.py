@@ -16,9 +16,6 @@ Sections, in order (each on its own: an error is printed and the next section ru
             shapes and 128 to 16,384 rows: TFLOP/s and error against the dequantized product
   scaling   row-wise scaled `_scaled_mm` (CUTLASS) against tensor-wise (cuBLASLt, scales 1)
             and bf16 at the same shapes, 256 to 16,384 rows: TFLOP/s
-  gemm      lantau/kernels/fp8_gemm.py (its default tile and GEMM_TILES) against row-wise and
-            tensor-wise `_scaled_mm` at the 8B and 70B shapes, 64 to 1,024 rows: TFLOP/s, the
-            best tile a shape and row count, the kernel's error against row-wise `_scaled_mm`
   w2-bf16   random:llama3-8b bf16: W2 (ms/token), and the reference logits / greedy tokens
   fp8-8b    random:llama3-8b fp8 (the same draws, quantized): logits rel. error, top-1 and
             greedy agreement against bf16; W2-fp8; W3-fp8-128, -1000, -2048 (trimmed)
@@ -78,14 +75,6 @@ PRELOAD_TILES = [(2, 0, 2, 1), (2, 0, 4, 1), (4, 0, 4, 1), (4, 0, 8, 1), (8, 0, 
 # the accum section's rows: decode batches (W4's 128, W3's 384, 512) and prefill steps
 ACCUM_ROWS = (128, 384, 512, 2048, 16384)
 SCALING_ROWS = (256, 384, 1024, 4096, 16384)
-# the gemm section's decode batches and the Triton fp8 GEMM tiles it tries beside the default
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-GEMM_ROWS = (64, 128, 256, 384, 512, 768, 1024)
-GEMM_TILES = [
-    (64, 64, 128, 4, 4), (64, 128, 128, 4, 4), (64, 128, 128, 4, 3), (64, 256, 128, 4, 3),
-    (64, 64, 256, 4, 3), (64, 128, 256, 4, 3), (128, 64, 128, 4, 4), (128, 128, 128, 4, 4),
-    (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 128, 64, 4, 5), (32, 64, 128, 4, 4),
-]  # fmt: skip
 
 
 @section("ceilings")
@@ -262,67 +251,6 @@ def scaling() -> None:
         del ws, wb
         torch.cuda.empty_cache()
     RESULTS["scaling"] = res
-
-
-@section("gemm")
-def gemm() -> None:
-    """lantau/kernels/fp8_gemm.py at decode batches against torch's row-wise `_scaled_mm`
-    (what prefill-sized products run) and tensor-wise (cuBLASLt, scales 1: its speed, not a
-    usable product), in CUDA graphs over weight copies L2 cannot hold: TFLOP/s of each, the
-    kernel's default tile and its best of GEMM_TILES, and the kernel's error against row-wise."""
-    from lantau.bench.offline import graph_ms
-    from lantau.kernels import fp8_gemm, fp8_quant
-    from lantau.model import fp8
-
-    one = torch.ones((), device="cuda")
-    res = {}
-    for name, (n, k) in {**SHAPES_8B, **SHAPES_70B}.items():
-        copies = max(2, (1 << 30) // (n * k))
-        ws = [fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
-        for m in GEMM_ROWS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            xq, xs = fp8_quant.quantize_rows(x)
-
-            def rowwise(xq=xq, xs=xs, ws=ws):
-                return [fp8.scaled_mm(xq, xs, q, s) for q, s in ws]
-
-            def tensorwise(xq=xq, ws=ws):
-                return [
-                    torch._scaled_mm(xq, q.t(), scale_a=one, scale_b=one,
-                                     out_dtype=torch.bfloat16, use_fast_accum=True)
-                    for q, _ in ws
-                ]  # fmt: skip
-
-            def triton_tile(tile, xq=xq, xs=xs, ws=ws):
-                return [fp8_gemm.fp8_gemm(xq, xs, q, s, tile=tile) for q, s in ws]
-
-            def rate(fn, flop=2 * m * n * k * copies) -> float:
-                return round(flop / graph_ms(fn) / 1e9, 1)
-
-            default = fp8_gemm.default_tile(m)
-            row = {"rowwise": rate(rowwise), "tensorwise": rate(tensorwise), "tiles": {}}
-            row["rel_err"] = rel_err(triton_tile(default)[0].float(), rowwise()[0].float())
-            for tile in dict.fromkeys([default, *GEMM_TILES]):
-                try:
-                    row["tiles"][str(tile)] = rate(lambda tile=tile: triton_tile(tile))
-                except Exception as e:  # a tile over the shared memory: noted, passed over
-                    row["tiles"][str(tile)] = f"{type(e).__name__}"
-            rates = {t: v for t, v in row["tiles"].items() if isinstance(v, float)}
-            best = max(rates, key=rates.get)
-            row["default"], row["best"] = rates.get(str(default)), [best, rates[best]]
-            res[f"{name} x{m}"] = row
-            TABLE.append((
-                f"fp8 gemm {name} {n}x{k}, {m} rows",
-                f"triton {row['default']} (best {rates[best]} {best}) vs row-wise "
-                f"{row['rowwise']:.0f} TFLOP/s",
-                f"tensor-wise {row['tensorwise']:.0f}; err {row['rel_err']:.1e}",
-            ))  # fmt: skip
-            print(TABLE[-1], flush=True)
-            del x, xq, xs
-            torch.cuda.empty_cache()
-        del ws
-        torch.cuda.empty_cache()
-    RESULTS["gemm"] = res
 
 
 def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n: int) -> dict:
@@ -593,8 +521,7 @@ def main() -> None:
     parser.add_argument(
         "--fp8-engine-args",
         default="{}",
-        help='JSON of more LLM() arguments for the fp8 engines, e.g. \'{"kv_cache_dtype": "fp8"}\''
-        ' ("kernels": KernelConfig fields)',
+        help='JSON of more LLM() arguments for the fp8 engines, e.g. \'{"kv_cache_dtype": "fp8"}\'',
     )
     parser.add_argument("--w3-seqs", default="384", help="the 8B fp8 engines' max_num_seqs")
     parser.add_argument("--w4-seqs", default="512", help="the 70B fp8 engines' max_num_seqs")
@@ -603,23 +530,16 @@ def main() -> None:
     w4_seqs = [int(v) for v in args.w4_seqs.split(",")]
     section.budget_s = args.budget_s
     FP8_ENGINE_ARGS = json.loads(args.fp8_engine_args)
-    if "kernels" in FP8_ENGINE_ARGS:  # KernelConfig fields, e.g. {"fp8_gemm_max_rows": 512}
-        from lantau.config import KernelConfig
-        from lantau.envs import pdl_enabled
-
-        fields = {"enable_pdl": pdl_enabled(), **FP8_ENGINE_ARGS["kernels"]}
-        FP8_ENGINE_ARGS = {**FP8_ENGINE_ARGS, "kernels": KernelConfig(**fields)}
     skip = set(args.skip.split(","))
     counts = parse_counts(args.counts)
     print(torch.__version__, torch.cuda.get_device_name(), counts, FP8_ENGINE_ARGS, flush=True)
-    RESULTS["fp8_engine_args"] = json.loads(args.fp8_engine_args)
+    RESULTS["fp8_engine_args"] = FP8_ENGINE_ARGS
     ref: dict = {}
     for name, fn, fn_args in [
         ("ceilings", ceilings, ()),
         ("kernels", kernels, ()),
         ("accum", accum, ()),
         ("scaling", scaling, ()),
-        ("gemm", gemm, ()),
         ("w2-bf16", w2_bf16, (ref,)),
         ("fp8-8b", fp8_8b, (ref, counts, w3_seqs)),
         ("w4", w4, (counts, w4_seqs)),

@@ -240,9 +240,6 @@ class KernelConfig:
     attn_small_merge: AttnMerge = AttnMerge.UNROLLED
     # decode attention's splits of each context (None: paged_decode_attention's heuristic)
     attn_num_splits: int | None = None
-    # fp8 products of at most this many rows (decode batches) through lantau/kernels/fp8_gemm.py,
-    # larger ones through torch's row-wise `_scaled_mm` (0: all of them)
-    fp8_gemm_max_rows: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from lantau import LLM, SamplingParams  # noqa: E402
-from lantau.config import KernelConfig  # noqa: E402
 from lantau.engine.args import build_engine_config  # noqa: E402
-from lantau.kernels.fp8_gemm import fp8_gemm  # noqa: E402
 from lantau.kernels.fp8_quant import quantize_rows as quantize_rows_kernel  # noqa: E402
 from lantau.kernels.gemv import gemv  # noqa: E402
 from lantau.kernels.reference import gemv_ref  # noqa: E402
@@ -94,35 +92,6 @@ def test_scaled_mm_matches_the_fp32_emulation(bias):
     dense = x.float() @ dequantize_rows(layer.weight, layer.weight_scale).T
     dense = dense + (layer.bias.float() if bias else 0)
     assert rel_err(dense, exact) < 0.04  # the weights' error alone: less than both quantized
-
-
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 96, 256), (5, 200, 384), (70, 130, 160),
-                                           (130, 64, 1024)])  # fmt: skip
-@pytest.mark.parametrize("bias", [False, True])
-def test_fp8_gemm_matches_the_scaled_product(m, n, k, bias):
-    """The decode batches' e4m3 GEMM (lantau/kernels/fp8_gemm.py): xs[m] ws[n] (xq wq^T) (+
-    bias) rounded once to bf16, against the dequantized fp32 product and torch's row-wise
-    `_scaled_mm`, under its default tile and others (BLOCK_K halved to divide K = 160, rows
-    and columns off the tiles masked)."""
-    gen = torch.Generator().manual_seed(m + n + k)
-    xq, xs = quantize_rows(torch.randn(m, k, generator=gen))
-    wq, ws = quantize_rows(torch.randn(n, k, generator=gen) * 0.05)
-    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
-    ref = dequantize_rows(xq, xs) @ dequantize_rows(wq, ws).T + (0 if b is None else b.float())
-    scaled_mm = fp8.scaled_mm(xq, xs, wq, ws).float() + (0 if b is None else b.float())
-    for tile in (None, (32, 64, 128, 4, 4), (64, 128, 64, 4, 3)):
-        y = fp8_gemm(xq, xs, wq, ws, b, tile=tile)
-        assert y.shape == (m, n) and y.dtype == torch.bfloat16
-        # one bf16 rounding of the fp32 product (2^-8 relative), the interpreter's toward 0
-        torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-5)
-        torch.testing.assert_close(y.float(), scaled_mm, rtol=2e-2, atol=1e-2)
-    assert fp8_gemm(xq, xs, wq, ws, out_dtype=torch.float32).dtype == torch.float32
-    with pytest.raises(AssertionError, match="e4m3"):
-        fp8_gemm(xq.float(), xs, wq, ws)
-    with pytest.raises(AssertionError, match="must be"):
-        fp8_gemm(xq, xs, wq[:, :-32], ws)
-    with pytest.raises(AssertionError, match="multiple of 32"):
-        fp8_gemm(xq[:, :-16], xs, wq[:, :-16].contiguous(), ws)
 
 
 @pytest.mark.usefixtures("interpreter_bf16_dot")
@@ -262,28 +231,6 @@ def test_fp8_backends_agree(tiny_llama_dir, monkeypatch):
     assert results["triton"][0] == results["torch"][0]
     for key, ref in results["torch"][1].items():
         assert rel_err(results["triton"][1][key], ref) < 0.15
-
-    # products of up to fp8_gemm_max_rows rows through the Triton fp8 GEMM: a batch of three
-    # prompts' decode steps (3 rows) there, their 5-token prefill through `_scaled_mm`
-    from lantau.kernels import fp8_gemm as gemm_module
-
-    gemm_rows, original_gemm = [], gemm_module.fp8_gemm
-
-    def spying_gemm(xq, *args, **kwargs):
-        gemm_rows.append(xq.shape[0])
-        return original_gemm(xq, *args, **kwargs)
-
-    monkeypatch.setattr(gemm_module, "fp8_gemm", spying_gemm)
-    prompts = [{"prompt_token_ids": [5, 17, 300, 41, 9][i:] + [i + 3]} for i in range(3)]
-    tokens = {}
-    for backend, kernels in (("torch", None), ("triton", KernelConfig(fp8_gemm_max_rows=4))):
-        llm = LLM(
-            str(tiny_llama_dir), dtype="fp8", device="cpu", num_kv_blocks=64,
-            attention_backend=backend, kernels=kernels,
-        )  # fmt: skip
-        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert tokens["triton"] == tokens["torch"]
-    assert gemm_rows and set(gemm_rows) == {3}  # decode steps only, 4 projections a layer
 
 
 def test_dtype_fp8_config_and_errors(monkeypatch):

@@ -116,7 +116,6 @@ class TritonOps(_Compositions):
             activation,
             decode_attention,
             embedding,
-            fp8_gemm,
             fp8_quant,
             gemv,
             lora,
@@ -126,7 +125,7 @@ class TritonOps(_Compositions):
         )
 
         self._act, self._gemv, self._embedding = activation, gemv, embedding
-        self._fp8_gemm, self._fp8_quant, self._lora = fp8_gemm, fp8_quant, lora
+        self._fp8_quant, self._lora = fp8_quant, lora
         self._norm, self._rope = rms_norm, rotary
         self._decode, self._unified = decode_attention, unified_attention
         self.config = config = config or KernelConfig()
@@ -157,11 +156,7 @@ class TritonOps(_Compositions):
             y = self._gemv_linear(x, layer)
         elif isinstance(layer, fp8.Fp8Linear):  # x quantized by token in one launch
             xq, xs = self._fp8_quant.quantize_rows(x, use_pdl=self._pdl)
-            if self._fp8_gemm.supports(x.shape[0], x.shape[1], self.config.fp8_gemm_max_rows):
-                w, s = layer.weight, layer.weight_scale
-                y = self._fp8_gemm.fp8_gemm(xq, xs, w, s, layer.bias, x.dtype, use_pdl=self._pdl)
-            else:
-                y = fp8.fp8_linear_scaled_mm(x, layer, xq, xs)
+            y = fp8.fp8_linear_scaled_mm(x, layer, xq, xs)
         elif out is not None and layer.bias is None:
             return torch.mm(x, layer.weight.t(), out=out)  # F.linear's own GEMM
         else:
