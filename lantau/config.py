@@ -240,6 +240,11 @@ class KernelConfig:
     attn_small_merge: AttnMerge = AttnMerge.UNROLLED
     # decode attention's splits of each context (None: paged_decode_attention's heuristic)
     attn_num_splits: int | None = None
+    # steps of at most this many tokens add LoRA deltas with lantau/kernels/lora.py (a step
+    # without adapter rows costs its launches only), larger ones with the masked GEMMs of
+    # lantau.model.lora.add_lora, faster there when rows use adapters (H100, 4 slots of rank
+    # 16: 20 rows 6-12 us a projection against 10-11, 64 rows 8-22 against 10-12; RESULTS.md)
+    lora_kernel_max_tokens: int = 32
 
 
 @dataclass(frozen=True)

@@ -110,12 +110,16 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
         for turn, inp in enumerate(graphs.turns):
             inp.graphs[2], inp.short_graphs[2] = ("long", turn, None), ("short", turn, None)
             inp.graphs[16] = ("long", turn, None)  # above attn_small_rows: no short graph
-        fits = SimpleNamespace(seq_lens=np.array([short_keys, 3], dtype=np.int32))
-        over = SimpleNamespace(seq_lens=np.array([short_keys + 1, 3], dtype=np.int32))
+        fits = SimpleNamespace(
+            seq_lens=np.array([short_keys, 3], dtype=np.int32), has_adapter_rows=False
+        )
+        over = SimpleNamespace(
+            seq_lens=np.array([short_keys + 1, 3], dtype=np.int32), has_adapter_rows=False
+        )
         for turn in (0, 1):
             assert graphs.pick(fits, 2, turn)[:2] == ("short", turn)
             assert graphs.pick(over, 2, turn)[:2] == ("long", turn)
-            sixteen = SimpleNamespace(seq_lens=np.array([3] * 16))
+            sixteen = SimpleNamespace(seq_lens=np.array([3] * 16), has_adapter_rows=False)
             assert graphs.pick(sixteen, 16, turn)[:2] == ("long", turn)
 
 

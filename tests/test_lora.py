@@ -275,9 +275,11 @@ def test_bad_lora_modules_stop_the_server_with_their_reason(flags, message):
 
 def test_graph_steps_with_adapters_match_eager(tiny_llama_dir, adapters):
     """The CUDA graphs' passes (decode and mixed), run on CPU without capture: with adapters
-    the graphs' buffers carry each row's adapter slot (-1 for base rows and padding) and every
-    step computes the masked deltas, so a replay gives the eager step's logits whatever the
-    batch mixes, and the graphs need no eager fallback."""
+    the graphs' buffers carry each row's adapter slot (-1 for base rows and padding) and a
+    step with adapter rows takes the pass that adds the deltas, so a replay gives the eager
+    step's logits whatever the batch mixes, and the graphs need no eager fallback; a step of
+    the base model alone takes the plain pass (no delta: an adapter server's base traffic
+    costs what it does without adapters), whose logits the adapter pass gives too."""
     from lantau.config import KernelConfig
     from lantau.runner.cuda_graph import CudaGraphRunner
     from lantau.runner.mixed_graph import MixedGraphRunner
@@ -301,18 +303,28 @@ def test_graph_steps_with_adapters_match_eager(tiny_llama_dir, adapters):
             bs, turn = decode.bucket(inputs.num_reqs), 1 - runner._last
             decode.stage(inputs, bs, turn)
             before = runner.token_ids[turn].clone()
-            replayed = decode._step(bs, None, turn)[0][: len(inputs.sample_ids)]
+            replayed = {
+                lora: decode._step(bs, None, turn, lora)[0][: len(inputs.sample_ids)].clone()
+                for lora in (False, True)
+            }
             runner.token_ids[turn].copy_(before)
             checked.append(("decode", sorted(set(inputs.lora_index.tolist()))))
         elif mixed.can_run(inputs):
             num_tokens = mixed.bucket(len(inputs.input_ids))
             mixed.stage(inputs, num_tokens)
             runner.fill_pending(mixed.input_ids[:num_tokens], inputs)
-            replayed = runner._sample_logits(mixed.forward(num_tokens), inputs)
+            replayed = {
+                lora: runner._sample_logits(mixed.forward(num_tokens, lora), inputs)
+                for lora in (False, True)
+            }
             checked.append(("mixed", sorted(set(inputs.lora_index.tolist()))))
         logits = eager_forward(inputs)
         if replayed is not None:
-            torch.testing.assert_close(replayed, logits, rtol=1e-4, atol=1e-4)
+            # the pass the step's graph would be: with the deltas when a row has an adapter
+            picked = replayed[inputs.has_adapter_rows]
+            torch.testing.assert_close(picked, logits, rtol=1e-4, atol=1e-4)
+            if not inputs.has_adapter_rows:  # the adapter pass adds nothing to base rows
+                torch.testing.assert_close(replayed[True], logits, rtol=1e-4, atol=1e-4)
         return logits
 
     runner._forward_logits = both
@@ -330,10 +342,17 @@ def test_graph_steps_with_adapters_match_eager(tiny_llama_dir, adapters):
         engine.step()
         if not engine.has_unfinished_requests:
             break
+    # then a request of the base model alone: its steps have no adapter row
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("r4", {"prompt_token_ids": prompts[1]}, params)
+    while engine.has_unfinished_requests:
+        engine.step()
     kinds = {kind for kind, _ in checked}
     assert kinds == {"decode", "mixed"}, checked
-    # batches that mixed adapters with the base model ran through the graphs' passes
+    # batches that mixed adapters with the base model ran through the graphs' passes, and
+    # so did steps of the base model alone
     assert any(-1 in slots and len(slots) > 1 for _, slots in checked), checked
+    assert any(slots == [-1] for _, slots in checked), checked
     check_clean(llm)
 
 
@@ -505,10 +524,27 @@ def test_lora_kernels_compile_for_hopper():
     ]
 
 
-def test_triton_kernels_give_the_reference_tokens(tiny_llama_dir, adapters):
-    """The triton backend (lantau/kernels/lora.py's launches, through the interpreter) gives
-    a batch mixing two adapters and the base model the torch backend's greedy tokens and
+def test_triton_kernels_give_the_reference_tokens(tiny_llama_dir, adapters, monkeypatch):
+    """The triton backend (lantau/kernels/lora.py's launches, through the interpreter, for its
+    4-row decode steps; the masked GEMMs for the prompts' step, over lora_kernel_max_tokens)
+    gives a batch mixing two adapters and the base model the torch backend's greedy tokens and
     logprobs (the reference's masked GEMMs)."""
+    from lantau.kernels import lora as kernels
+    from lantau.model import ops
+
+    steps = {"kernels": set(), "masked": set()}
+    original_kernels, original_masked = kernels.add_lora, ops.add_lora
+
+    def spying_kernels(y, x, *args, **kwargs):
+        steps["kernels"].add(x.shape[0])
+        return original_kernels(y, x, *args, **kwargs)
+
+    def spying_masked(y, x, *args, **kwargs):
+        steps["masked"].add(x.shape[0])
+        return original_masked(y, x, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "add_lora", spying_kernels)
+    monkeypatch.setattr(ops, "add_lora", spying_masked)
     prompts = random_prompts(4, seed=5, max_len=30)
     names = ["all", None, "qv", "all"]
     params = [
@@ -524,6 +560,9 @@ def test_triton_kernels_give_the_reference_tokens(tiny_llama_dir, adapters):
         )  # fmt: skip
         outs[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         check_clean(llm)
+    # the triton engine: its decode steps through the kernels, its prompt step masked
+    assert steps["kernels"] == {4}, steps
+    assert max(steps["masked"]) == sum(map(len, prompts)) > 32, steps
     for ref, out in zip(outs["torch"], outs["triton"], strict=True):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         for a, b, t in zip(ref.outputs[0].logprobs, out.outputs[0].logprobs,

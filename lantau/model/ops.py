@@ -147,7 +147,10 @@ class TritonOps(_Compositions):
         writes directly."""
         if self.lora_on(layer):
             y, w = self._base_linear(x, layer), layer.lora_weights
-            self._lora.add_lora(y, x, w.a, w.b, self.lora.index, w.rank, self._pdl)
+            if x.shape[0] <= self.config.lora_kernel_max_tokens:
+                self._lora.add_lora(y, x, w.a, w.b, self.lora.index, w.rank, self._pdl)
+            else:
+                add_lora(y, x, w, self.lora)
             return y if out is None else out.copy_(y)
         return self._base_linear(x, layer, out)
 

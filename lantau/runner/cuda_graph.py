@@ -93,6 +93,10 @@ class GraphInputs:
         # model.ops.short_context_keys(bucket)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.short_graphs: dict[int, tuple] = {}
+        # with adapters, the same for steps with adapter rows (the plain ones, the base
+        # model's steps, add no delta: an adapter server's base traffic runs as without one)
+        self.lora_graphs: dict[int, tuple] = {}
+        self.lora_short_graphs: dict[int, tuple] = {}
         # the last replay that read the buffer (a copy into it waits for it)
         self.released: torch.cuda.Event | None = None
 
@@ -149,7 +153,7 @@ class CudaGraphRunner:
     def can_run(self, inputs: StepInputs) -> bool:
         return inputs.max_query_len == 1 and inputs.num_reqs <= self.max_bs
 
-    def _forward(self, bs: int, max_seq_len: int, turn: int) -> torch.Tensor:
+    def _forward(self, bs: int, max_seq_len: int, turn: int, lora: bool = False) -> torch.Tensor:
         inp = self.turns[turn]
         meta = AttentionMetadata(
             slot_mapping=inp.slot_mapping[:bs],
@@ -160,19 +164,20 @@ class CudaGraphRunner:
             max_seq_len=max_seq_len,  # an upper bound: kernels read true lengths
         )
         ctx = ForwardContext(meta, self.kv_caches, inp.positions[:bs])
-        if inp.lora_index is not None:
+        if lora:  # the adapter-rows pass: each row's delta by its slot (-1: none)
             ctx.lora = LoRABatch(inp.lora_index[:bs])
         pick = (inp.pending_src[:bs], self.token_ids[1 - turn])  # input tokens picked on device
         return self.model.decode_logits(inp.input_ids[:bs], ctx, pick, out=inp.logits)
 
     @torch.inference_mode()  # as capture() and the runner's launch(); also for the tests
     def _step(
-        self, bs: int, max_seq_len: int | None = None, turn: int = 0
+        self, bs: int, max_seq_len: int | None = None, turn: int = 0, lora: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What turn `turn`'s graph runs: the logits, and each row's argmax, also written to
         token_ids[turn] for the next step (a sampler that picks otherwise overwrites it).
-        max_seq_len: the bound on the rows' contexts the graph serves (default: the model's)."""
-        logits = self._forward(bs, max_seq_len or self.max_seq_len, turn)
+        max_seq_len: the bound on the rows' contexts the graph serves (default: the model's);
+        lora: the pass of steps with adapter rows."""
+        logits = self._forward(bs, max_seq_len or self.max_seq_len, turn, lora)
         # [bs], a view of token_ids[turn] (the kernel writes it there: no copy node)
         use_pdl = self.model.ops.config.enable_pdl
         token_ids = greedy_pick(logits, out=self.token_ids[turn][:bs], use_pdl=use_pdl)
@@ -224,26 +229,34 @@ class CudaGraphRunner:
     def capture(self):
         """Each turn's, largest first, all sharing one memory pool (replays never overlap);
         returns the pool. Only turn 0's captures run their shape eagerly first (compiling its
-        kernels, settling the allocator): turn 1's shapes are the same, only buffers differ."""
+        kernels, settling the allocator): turn 1's shapes are the same, only buffers differ.
+        With adapters, each graph twice: for the base model's steps, and with the deltas."""
         pool = None
         for turn, inp in enumerate(self.turns):
             inp.seq_lens.fill_(1)
             inp.slot_mapping.fill_(-1)
             inp.pending_src.fill_(-1)
+            if inp.lora_index is not None:
+                inp.lora_index.fill_(-1)
+            variants = [(inp.graphs, inp.short_graphs, False)]
+            if inp.lora_index is not None:
+                variants.append((inp.lora_graphs, inp.lora_short_graphs, True))
             for bs in reversed(self.batch_sizes):
                 short = self.short_keys(bs)
-                for graphs, max_seq_len in ((inp.graphs, None), (inp.short_graphs, short)):
-                    if max_seq_len == 0:
-                        continue
-                    if turn == 0:  # warm-up: compiles kernels, settles the allocator
-                        self._step(bs, max_seq_len, turn)
-                        torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    # thread_local: the weights may be loading on other threads (load_in_background)
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                        logits, token_ids = self._step(bs, max_seq_len, turn)
-                    pool = graph.pool()
-                    graphs[bs] = (graph, logits, token_ids)
+                for long_graphs, short_graphs, lora in variants:
+                    for graphs, max_seq_len in ((long_graphs, None), (short_graphs, short)):
+                        if max_seq_len == 0:
+                            continue
+                        if turn == 0:  # warm-up: compiles kernels, settles the allocator
+                            self._step(bs, max_seq_len, turn, lora)
+                            torch.cuda.synchronize()
+                        graph = torch.cuda.CUDAGraph()
+                        # thread_local: the weights may be loading on other threads
+                        # (load_in_background)
+                        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                            logits, token_ids = self._step(bs, max_seq_len, turn, lora)
+                        pool = graph.pool()
+                        graphs[bs] = (graph, logits, token_ids)
         torch.cuda.synchronize()
         logger.info(
             "captured CUDA graphs for batch sizes %s (and for short contexts: %s)",
@@ -262,11 +275,13 @@ class CudaGraphRunner:
         self, inputs: StepInputs, bs: int, turn: int = 0
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         """The turn's graph of the bucket for these inputs: its short-context one when every
-        row fits."""
+        row fits; the adapter-rows pass when a row has an adapter."""
         inp = self.turns[turn]
-        if bs in inp.short_graphs and int(inputs.seq_lens.max()) <= self.short_keys(bs):
-            return inp.short_graphs[bs]
-        return inp.graphs[bs]
+        lora = inputs.has_adapter_rows
+        short_graphs = inp.lora_short_graphs if lora else inp.short_graphs
+        if bs in short_graphs and int(inputs.seq_lens.max()) <= self.short_keys(bs):
+            return short_graphs[bs]
+        return (inp.lora_graphs if lora else inp.graphs)[bs]
 
     def run(self, inputs: StepInputs, turn: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [bucket, vocab] and the greedy ids [bucket]; the first

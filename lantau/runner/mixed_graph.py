@@ -21,6 +21,7 @@ import bisect
 import logging
 
 import torch
+from torch import Tensor
 
 from lantau.config import EngineConfig
 from lantau.kv_cache.manager import cdiv
@@ -79,6 +80,8 @@ class MixedGraphRunner:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # with adapters, the same for steps with adapter rows (self.graphs: the base model's)
+        self.lora_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ids64 = buffer[: self.bytes64].view(torch.int64).view(self.rows64, -1)
@@ -99,9 +102,13 @@ class MixedGraphRunner:
         own when it runs eagerly."""
         return self.bucket(num_tokens) if num_tokens <= self.max_tokens else num_tokens
 
-    def forward(self, num_tokens: int) -> torch.Tensor:
+    def pick(self, inputs: StepInputs, num_tokens: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """The bucket's graph for a step: the adapter-rows pass when a row has an adapter."""
+        return (self.lora_graphs if inputs.has_adapter_rows else self.graphs)[num_tokens]
+
+    def forward(self, num_tokens: int, lora: bool = False) -> torch.Tensor:
         """What bucket num_tokens's graph runs: the model's body on the staged buffers,
-        [num_tokens, hidden_size]."""
+        [num_tokens, hidden_size]; lora: the pass of steps with adapter rows."""
         r = min(num_tokens, self.max_reqs)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens],
@@ -112,29 +119,32 @@ class MixedGraphRunner:
             max_seq_len=self.max_seq_len,
         )
         ctx = ForwardContext(meta, self.kv_caches, self.positions[:num_tokens])
-        if self.lora:
+        if lora:  # each token's delta by its slot (-1: none)
             ctx.lora = LoRABatch(self.lora_index[:num_tokens])
         return self.model(self.input_ids[:num_tokens], ctx)
 
     @torch.inference_mode()
     def capture(self, pool=None):
         """Every bucket's graph, largest first, in `pool` (the decode graphs': replays never
-        overlap); returns the pool."""
+        overlap), with adapters twice (the base model's steps, and with the deltas); returns
+        the pool."""
         # inputs that make each capture's warm-up a no-op on the cache: no keys, no KV writes
         self.slot_mapping.fill_(-1)
         if self.lora:
             self.lora_index.fill_(-1)
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
+        variants = [(self.graphs, False)] + ([(self.lora_graphs, True)] if self.lora else [])
         for t in reversed(self.buckets):
-            self.forward(t)  # warm-up: compiles kernels, settles the allocator
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the weights may be loading on other threads (load_in_background)
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                hidden = self.forward(t)
-            pool = graph.pool()
-            self.graphs[t] = (graph, hidden)
+            for graphs, lora in variants:
+                self.forward(t, lora)  # warm-up: compiles kernels, settles the allocator
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the weights may be loading on other threads (load_in_background)
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    hidden = self.forward(t, lora)
+                pool = graph.pool()
+                graphs[t] = (graph, hidden)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for steps with prompts of up to %s tokens", self.buckets)
         return pool

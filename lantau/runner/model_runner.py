@@ -406,8 +406,8 @@ class ModelRunner:
             max_seq_len=int(inputs.seq_lens.max()),
         )
         ctx = ForwardContext(meta, self.kv_caches, tensor(inputs.positions))
-        if inputs.lora_index is not None and inputs.lora_index.max() >= 0:
-            ctx.lora = LoRABatch(tensor(inputs.lora_index))  # eagerly: none without adapters
+        if inputs.has_adapter_rows:  # else the base model's step: no deltas
+            ctx.lora = LoRABatch(tensor(inputs.lora_index))
         input_ids = tensor(inputs.input_ids)
         self.fill_pending(input_ids, inputs)
         return input_ids, ctx
@@ -436,7 +436,7 @@ class ModelRunner:
         num_tokens = graphs.bucket(len(inputs.input_ids))
         graphs.stage(inputs, num_tokens)
         self.fill_pending(graphs.input_ids[:num_tokens], inputs)
-        graph, hidden = graphs.graphs[num_tokens]
+        graph, hidden = graphs.pick(inputs, num_tokens)
         graph.replay()
         return hidden
 

@@ -33,5 +33,11 @@ class StepInputs:
         return len(self.seq_lens)
 
     @property
+    def has_adapter_rows(self) -> bool:
+        """Whether a token of the step runs through a LoRA adapter (else the step is the base
+        model's alone: no adapter delta to add)."""
+        return self.lora_index is not None and bool((self.lora_index >= 0).any())
+
+    @property
     def max_query_len(self) -> int:
         return int(np.diff(self.query_start_loc).max())
