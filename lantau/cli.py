@@ -412,7 +412,10 @@ def _lora_problem(
     if not specs and not max_loras and lora_dir is None:
         return None
     if repository:
-        return "--lora-modules: not with a model repository (its models' adapters are not read)"
+        return (
+            "--lora-modules: not with a model repository (a model's adapters are its "
+            "config.pbtxt's parameters lora_modules and max_loras)"
+        )
     from lantau.model.lora import parse_lora_modules
 
     try:

@@ -544,3 +544,89 @@ def test_standby_core_taken_by_the_first_version_or_stopped(tmp_path, built):
     standby, manager = asyncio.run(load_nothing())
     assert manager.names() == [] and manager.standby is None
     assert not standby.process.is_alive() and not os.path.exists(standby.ipc_dir)
+
+
+def test_a_models_lora_adapters_from_its_config(tmp_path, built):
+    """config.pbtxt's `lora_modules` (a path relative to the model's folder and an absolute
+    one) and `max_loras`: the model's versions serve each adapter under its own name
+    (/v1/models lists it with the model as parent); a completion and a KServe generate
+    naming an adapter run on the model's version with it (the offline engine's tokens with
+    the adapter); a swap to a new version keeps serving them; a model whose adapter would
+    take a served adapter's name, or a model's, is refused, naming it, and what is served
+    stays; a missing adapter folder is a config error naming the parameter."""
+    import transformers
+
+    from lantau import LLM, SamplingParams
+    from tests.conftest import TINY_LLAMA, save_tiny_hf_model
+    from tests.test_lora import ALL, save_adapter
+
+    hf = tmp_path / "hf"
+    save_tiny_hf_model(hf, transformers.LlamaConfig(**TINY_LLAMA))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(built / "v1" / name, hf / name)
+    repo = tmp_path / "repo"
+    build_engine(str(hf), repo / "tiny" / "1", dtype="fp32", device="cpu")
+    loras = repo / "tiny" / "loras"
+    save_adapter(hf, loras / "brand_a", 1, r=4, lora_alpha=8, target_modules=ALL)
+    save_adapter(hf, tmp_path / "brand_b", 2, r=8, lora_alpha=4,
+                 target_modules=["q_proj", "v_proj"])  # fmt: skip
+    adapters = f"brand_a=loras/brand_a,brand_b={tmp_path / 'brand_b'}"
+    config = param("max_model_len", "256") + param("num_kv_blocks", "64")
+    (repo / "tiny" / "config.pbtxt").write_text(
+        config + param("lora_modules", adapters) + param("max_loras", "2")
+    )
+    for name, spec in (("other", "brand_a=/x"), ("clash", "tiny=/x"), ("nofolder", "c=nope")):
+        shutil.copytree(built / "v1", repo / name / "1")
+        adapter = tmp_path / "brand_b" if spec != "c=nope" else "nope"
+        spec = spec.split("=")[0] + f"={adapter}"
+        (repo / name / "config.pbtxt").write_text(config + param("lora_modules", spec))
+    prompt = [5, 17, 300, 41, 9, 120, 7]
+    offline = LLM(str(repo / "tiny" / "1"), device="cpu", num_kv_blocks=64,
+                  lora_modules=[f"brand_a={loras / 'brand_a'}",
+                                f"brand_b={tmp_path / 'brand_b'}"])  # fmt: skip
+
+    def expected(lora, ids=prompt) -> str:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora=lora)
+        return offline.generate({"prompt_token_ids": ids}, params)[0].outputs[0].text
+
+    assert len({expected(None), expected("brand_a"), expected("brand_b")}) == 3
+    server = Server(repo, "--model-control-mode", "explicit", "--load-model", "tiny")
+    try:
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", max_retries=0)
+        listed = {m.id: m.model_extra.get("parent") for m in client.models.list().data}
+        assert listed == {"tiny": None, "brand_a": "tiny", "brand_b": "tiny"}
+
+        def served(model: str) -> str:
+            reply = client.completions.create(
+                model=model, prompt=prompt, max_tokens=6, temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert reply.model == model
+            return reply.choices[0].text
+
+        for model, lora in (("brand_a", "brand_a"), ("tiny", None), ("brand_b", "brand_b")):
+            assert served(model) == expected(lora), model
+        text = "5,17,300"  # ids the tiny model knows (< 512)
+        reply = httpx.post(f"{server.base}/v2/models/brand_b/generate", timeout=60, json={
+            "text_input": text,
+            "parameters": {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+        })  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        ids = offline.engine.tokenizer.encode(text, add_special_tokens=False)
+        assert reply.json()["text_output"] == expected("brand_b", ids)
+        # version 2 swaps in: the adapters go on being served, now by it
+        shutil.copytree(repo / "tiny" / "1", repo / "tiny" / "2")
+        http = httpclient.InferenceServerClient(server.base.removeprefix("http://"))
+        http.load_model("tiny")
+        assert server.model()["primary"] == 2
+        assert served("brand_a") == expected("brand_a")
+        for name, message in (
+            ("other", "lora module 'brand_a' is served by model 'tiny' already"),
+            ("clash", "lora module 'tiny' is a model's name"),
+            ("nofolder", "parameters['lora_modules']"),
+        ):
+            with pytest.raises(InferenceServerException, match=re.escape(message)):
+                http.load_model(name)
+        assert served("brand_a") == expected("brand_a")  # what was served stays
+    finally:
+        server.close()

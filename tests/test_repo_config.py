@@ -80,6 +80,14 @@ def test_every_mapped_field():
         ("version_policy { latest { num_versions: 0 } }", "version_policy.latest.num_versions"),
         ('parameters { key: "gpu_memory_utilization" value: { string_value: "0" } }',
          "parameters['gpu_memory_utilization']: '0': must be within (0, 1]"),
+        ('parameters { key: "lora_modules" value: { string_value: "brand" } }',
+         "parameters['lora_modules']: 'brand': lora module 'brand': expected NAME=PATH"),
+        ('parameters { key: "lora_modules" value: { string_value: "a=x,a=y" } }',
+         "lora module 'a': given twice"),
+        ('parameters { key: "lora_modules" value: { string_value: "a=loras/a" } }',
+         "a: llama/loras/a is not a PEFT adapter folder"),
+        ('parameters { key: "max_loras" value: { string_value: "-1" } }',
+         "parameters['max_loras']: '-1': must be >= 0"),
     ],
 )  # fmt: skip
 def test_bad_fields_are_named(text, field):

@@ -409,7 +409,7 @@ async def _start_repository(
     metrics = EngineMetrics("", 1, model_version="") if config.enable_metrics else None
     manager = ModelManager(options, engine_args, config, metrics, standby)
     await manager.start()
-    loaded = ", ".join(f"{n} v{manager.models[n].versions()[0]}" for n in manager.names())
+    loaded = ", ".join(f"{n} v{manager.models[n].versions()[0]}" for n in manager.model_names())
     took = time.perf_counter() - started
     return manager, (
         f"model repository {options.path}",

@@ -46,7 +46,7 @@ from lantau.server.kserve_http import (
     read_body,
     with_kserve_errors,
 )
-from lantau.server.models import ModelRouter, ServedModel
+from lantau.server.models import AdapterModel, ModelRouter, ServedModel
 from lantau.server.repo_config import ModelConfigError, RepoModelConfig, read_model_config
 from lantau.server.repository import (
     CONTROL_MODES,
@@ -238,13 +238,34 @@ class ModelManager(ModelRouter):
 
     def get(self, name: str | None) -> ServedModel | None:
         if name is None:
-            names = self.names()
+            names = self.model_names()
             return self.models[names[0]] if names else None
         model = self.models.get(name)
-        return model if model is not None and model.last_engine is not None else None
+        if model is not None:
+            return model if model.last_engine is not None else None
+        base = self._adapter_owner(name)
+        return AdapterModel(base, name) if base is not None else None
+
+    def model_names(self) -> list[str]:
+        """The models with a version loaded (their adapters apart)."""
+        return sorted(n for n, m in self.models.items() if m.loaded)
 
     def names(self) -> list[str]:
-        return sorted(n for n, m in self.models.items() if m.loaded)
+        """The models with a version loaded, then the LoRA adapters their versions serve
+        (config.pbtxt's `lora_modules`), each under its own name."""
+        return self.model_names() + sorted(self.adapter_names())
+
+    def adapter_names(self) -> dict[str, str]:
+        """Adapter name -> the model serving it (its primary version's engine's adapters)."""
+        return {
+            adapter: m.name
+            for m in self.models.values() if m.primary is not None
+            for adapter in getattr(m.primary.engine, "lora_names", ())
+        }  # fmt: skip
+
+    def _adapter_owner(self, name: str) -> RepoModel | None:
+        owner = self.adapter_names().get(name)
+        return None if owner is None else self.models[owner]
 
     def engines(self) -> list[AsyncLLM]:
         return [ve.engine for m in self.models.values() for ve in m.loaded.values()]
@@ -363,6 +384,7 @@ class ModelManager(ModelRouter):
                 logger.warning("model %s: instance_group asks %d replicas; one runs here "
                                "(run a server a GPU behind lantau route)", name,
                                config.num_replicas)  # fmt: skip
+            self._check_adapter_names(name, config)
             if explicit:
                 model.rejected.clear()
                 model.pinned = None
@@ -374,6 +396,18 @@ class ModelManager(ModelRouter):
             await self._transition(model, config, target, kind)
         finally:
             model.busy = None if model.canary_task is None else model.busy
+
+    def _check_adapter_names(self, name: str, config: RepoModelConfig) -> None:
+        """A model's adapters must not take another model's name or another model's
+        adapter's: a request names either, and must reach one engine."""
+        served = self.adapter_names()
+        for spec in config.engine_args.get("lora_modules", ()):
+            adapter = spec.partition("=")[0]
+            if adapter == name or adapter in self.repo.model_names():
+                raise invalid(f"model '{name}': lora module {adapter!r} is a model's name")
+            if served.get(adapter, name) != name:
+                raise invalid(f"model '{name}': lora module {adapter!r} is served by model "
+                              f"'{served[adapter]}' already")  # fmt: skip
 
     def _no_version_message(self, name: str) -> str:
         pending = self.repo.incomplete_versions(name)

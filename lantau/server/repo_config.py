@@ -5,6 +5,7 @@ ignored. A field lantau cannot honour is an error naming it, never silently drop
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -269,6 +270,31 @@ def _kv_cache_dtype(text: str) -> str:
     return text
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _lora_modules(text: str, model_dir: Path) -> tuple[str, ...]:
+    """The model's LoRA adapters (PEFT folders), "NAME=PATH,NAME=PATH", a PATH relative to
+    the model's folder (REPO/NAME) or absolute: NAME=ABSOLUTE_PATH each, as the engine takes
+    them."""
+    from lantau.model.lora import parse_lora_modules
+
+    modules = parse_lora_modules([s.strip() for s in text.split(",") if s.strip()])
+    if not modules:
+        raise ValueError("expected NAME=PATH[,NAME=PATH...]")
+    specs = []
+    for name, path in modules:
+        folder = model_dir / path  # an absolute path stays as it is
+        if not (folder / "adapter_config.json").is_file():
+            raise ValueError(f"{name}: {folder} is not a PEFT adapter folder (adapter_config.json)")
+        specs.append(f"{name}={folder.resolve()}")
+    return tuple(specs)
+
+
 ENGINE_PARAMETERS = {
     "max_model_len": _positive_int,
     "num_kv_blocks": _positive_int,
@@ -278,6 +304,8 @@ ENGINE_PARAMETERS = {
     "gpu_memory_utilization": _memory_share,
     "enable_prefix_caching": _bool,
     "enforce_eager": _bool,
+    "max_loras": _count,
+    "max_lora_rank": _count,
 }
 CONTROL_PARAMETERS = {
     "swap": _swap,
@@ -295,14 +323,16 @@ def _parameters(msg, path) -> dict:
     for key, param in msg.parameters.items():
         where = f"parameters[{key!r}]"
         parse = ENGINE_PARAMETERS.get(key) or CONTROL_PARAMETERS.get(key)
+        if key == "lora_modules":  # paths relative to the model's folder
+            parse = functools.partial(_lora_modules, model_dir=Path(path).parent)
         if parse is None:
-            known = ", ".join([*ENGINE_PARAMETERS, *CONTROL_PARAMETERS])
+            known = ", ".join([*ENGINE_PARAMETERS, "lora_modules", *CONTROL_PARAMETERS])
             raise ModelConfigError(path, where, f"unknown parameter (lantau reads {known})")
         try:
             value = parse(param.string_value)
         except ValueError as e:
             raise ModelConfigError(path, where, f"{param.string_value!r}: {e}") from None
-        (engine_args if key in ENGINE_PARAMETERS else control)[key] = value
+        (control if key in CONTROL_PARAMETERS else engine_args)[key] = value
     canary = CanaryPolicy(
         share=control.get("canary_share", 0.0),
         num_requests=control.get("canary_requests", 20),
