@@ -232,7 +232,11 @@ def test_decode_attention_rope_fp8_matches_rotary_then_attention(monkeypatch):
         rope = da.DecodeRope(k, v, positions, cos_sin, slot_mapping)
         out = run_decode({**b, "kv_cache": fused_cache}, num_splits, rope=rope, q=q)
         real = [0, 1, 3]
-        torch.testing.assert_close(out[real], ref[real], rtol=0, atol=0)
+        # NOTE: within fp32 rounding, not bit for bit: the interpreter's tl.dot is numpy's
+        # float32 matmul (OpenBLAS), whose summation order follows the CPU's kernels and the
+        # operands' shapes, and the fused launch computes its first tile apart (1.8e-7 on an
+        # AMD EPYC without AVX-512; equal elsewhere); the cache's bytes stay exact
+        torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-6)
         assert torch.equal(fused_cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 
