@@ -39,6 +39,17 @@ def wait_ready(
     raise TimeoutError("server did not become ready")
 
 
+def kserve_greedy_text(base: str, model: str, text: str, max_tokens: int) -> str:
+    """KServe v2's generate for `model` (a model, or an adapter by its name): the greedy
+    text_output of max_tokens tokens, EOS ignored."""
+    reply = httpx.post(f"{base}/v2/models/{model}/generate", timeout=60, json={
+        "text_input": text,
+        "parameters": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+    })  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    return reply.json()["text_output"]
+
+
 @contextlib.contextmanager
 def lantau_serve(
     model: str, *flags: str, max_model_len: int = 512, num_kv_blocks: int = 128

@@ -171,7 +171,7 @@ def test_served_adapters_by_name(served_dir, adapters, tmp_path, monkeypatch):
     import httpx
     import openai
 
-    from tests.servers import lantau_serve
+    from tests.servers import kserve_greedy_text, lantau_serve
 
     delay = tmp_path / "delay"  # 10 ms a step: a long request is still running when scraped
     delay.write_text("0.01")
@@ -204,15 +204,10 @@ def test_served_adapters_by_name(served_dir, adapters, tmp_path, monkeypatch):
             client.completions.create(model="other", prompt=prompt, max_tokens=2)
         # KServe v2's generate names the adapter as its model too
         text = "1,2,3,4,5,6,7,8"  # its ids are all the tiny model's (< 512)
-        reply = httpx.post(f"{base}/v2/models/qv/generate", timeout=60, json={
-            "text_input": text,
-            "parameters": {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True},
-        })  # fmt: skip
-        assert reply.status_code == 200, reply.text
         ids = offline.engine.tokenizer.encode(text, add_special_tokens=False)
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora="qv")
         want = offline.generate({"prompt_token_ids": ids}, params)[0].outputs[0].text
-        assert reply.json()["text_output"] == want
+        assert kserve_greedy_text(base, "qv", text, 8) == want
 
         def lora_info() -> str:
             text = httpx.get(f"{base}/metrics", timeout=30).text
