@@ -236,10 +236,9 @@ class CudaGraphRunner:
             inp.seq_lens.fill_(1)
             inp.slot_mapping.fill_(-1)
             inp.pending_src.fill_(-1)
-            if inp.lora_index is not None:
-                inp.lora_index.fill_(-1)
             variants = [(inp.graphs, inp.short_graphs, False)]
             if inp.lora_index is not None:
+                inp.lora_index.fill_(-1)
                 variants.append((inp.lora_graphs, inp.lora_short_graphs, True))
             for bs in reversed(self.batch_sizes):
                 short = self.short_keys(bs)

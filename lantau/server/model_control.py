@@ -400,9 +400,10 @@ class ModelManager(ModelRouter):
     def _check_adapter_names(self, name: str, config: RepoModelConfig) -> None:
         """A model's adapters must not take another model's name or another model's
         adapter's: a request names either, and must reach one engine."""
+        from lantau.model.lora import parse_lora_modules
+
         served = self.adapter_names()
-        for spec in config.engine_args.get("lora_modules", ()):
-            adapter = spec.partition("=")[0]
+        for adapter, _ in parse_lora_modules(config.engine_args.get("lora_modules", ())):
             if adapter == name or adapter in self.repo.model_names():
                 raise invalid(f"model '{name}': lora module {adapter!r} is a model's name")
             if served.get(adapter, name) != name:

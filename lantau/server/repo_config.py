@@ -218,11 +218,17 @@ def _dynamic_batching(msg, path) -> tuple[int | None, int]:
 
 
 # parameters { key: "NAME" value: { string_value: "..." } } lantau reads, with their parsers
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError("must be >= 1")
-    return value
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise ValueError(f"must be >= {minimum}")
+        return value
+
+    return parse
+
+
+_positive_int, _count = _int_at_least(1), _int_at_least(0)
 
 
 def _share(text: str) -> float:
@@ -268,13 +274,6 @@ def _kv_cache_dtype(text: str) -> str:
     if text not in ("auto", "fp8"):
         raise ValueError("expected auto or fp8")
     return text
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError("must be >= 0")
-    return value
 
 
 def _lora_modules(text: str, model_dir: Path) -> tuple[str, ...]:
