@@ -168,8 +168,9 @@ def run_arm(model: str, threshold: int, decodes: int, prompts: int, seed: int, e
 
 
 def gemm_floor(rows: list[int], hidden=4096, inter=14336, heads=32, kv_heads=8) -> dict:
-    """bf16 torch.mm at the 8B projections' shapes: ms for one layer's four GEMMs, times 32
-    layers (weights past L2: two copies alternated)."""
+    """bf16 torch.mm at the 8B projections' shapes, per BLAS library torch may call (cuBLAS,
+    cuBLASLt): ms for one layer's four GEMMs and per projection, times 32 layers for the model
+    (weights past L2: two copies alternated)."""
     head_dim = hidden // heads
     shapes = {
         "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
@@ -181,28 +182,32 @@ def gemm_floor(rows: list[int], hidden=4096, inter=14336, heads=32, kv_heads=8) 
         k: [torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
         for k, (n, kk) in shapes.items()
     }
-    out = {}
-    for m in rows:
-        per = {}
-        for k, (_, kk) in shapes.items():
-            x = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
-            for i in range(3):
-                x @ weights[k][i % 2].t()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for i in range(40):
-                x @ weights[k][i % 2].t()
-            end.record()
-            torch.cuda.synchronize()
-            per[k] = start.elapsed_time(end) / 40
-        out[m] = {
-            "layer_ms": round(sum(per.values()), 4),
-            "model_ms": round(32 * sum(per.values()), 3),
-            "tflops": round(
-                2 * m * sum(n * kk for n, kk in shapes.values()) / (sum(per.values()) / 1e3) / 1e12,
-                1,
-            ),
-        }
+    flop_per_row = 2 * sum(n * kk for n, kk in shapes.values())
+    out: dict = {}
+    default = torch.backends.cuda.preferred_blas_library()
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for m in rows:
+            per = {}
+            for k, (_, kk) in shapes.items():
+                x = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
+                for i in range(3):
+                    x @ weights[k][i % 2].t()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for i in range(40):
+                    x @ weights[k][i % 2].t()
+                end.record()
+                torch.cuda.synchronize()
+                per[k] = round(start.elapsed_time(end) / 40, 4)
+            layer = sum(per.values())
+            out.setdefault(lib, {})[m] = {
+                "model_ms": round(32 * layer, 3),
+                "tflops": round(flop_per_row * m / (layer / 1e3) / 1e12, 1),
+                "per_projection_ms": per,
+            }
+    torch.backends.cuda.preferred_blas_library(default)
     return out
 
 
@@ -212,7 +217,7 @@ def main() -> None:
     parser.add_argument("--thresholds", default="256,0")
     parser.add_argument("--decodes", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=12)
-    parser.add_argument("--gemm-rows", default="21,192,320,488")
+    parser.add_argument("--gemm-rows", default=",".join(str(m) for m in [21, *range(64, 641, 32)]))
     parser.add_argument("--serve-args", default="", help="more `lantau serve` arguments")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -226,8 +231,12 @@ def main() -> None:
             torch.cuda.empty_cache()
         print(json.dumps(arm, indent=1), flush=True)
     if "8b" in args.model and torch.cuda.is_available():
-        results["gemm_floor"] = gemm_floor([int(r) for r in args.gemm_rows.split(",")])
-        print(json.dumps(results["gemm_floor"], indent=1), flush=True)
+        results["gemm_floor"] = floor = gemm_floor([int(r) for r in args.gemm_rows.split(",")])
+        print("\n| rows | " + " | ".join(f"{lib} ms (TFLOP/s)" for lib in floor) + " |")
+        print("| --- |" + " --- |" * len(floor))
+        for m in next(iter(floor.values())):
+            cells = [f"{floor[lib][m]['model_ms']} ({floor[lib][m]['tflops']})" for lib in floor]
+            print(f"| {m} | " + " | ".join(cells) + " |")
     with open(os.path.join(OUT, "mixed_step_profile.json"), "w") as f:
         json.dump(results, f, indent=1)
     print("\n| threshold | TTFT in engine (median ms) | steps | step kinds: device ms (median) |")
