@@ -37,6 +37,8 @@ DECODE_TILES = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 1), (32, 4, 3), (128
 PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default
     (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 4, 2),
     (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
+    (16, 64, 4, 2), (16, 128, 4, 2), (32, 64, 4, 2), (32, 128, 4, 2), (16, 64, 2, 2),
+    (16, 128, 2, 2), (16, 256, 4, 2), (32, 128, 8, 2),
 ]  # fmt: skip
 PREFILL_SHAPES = {  # name -> [(context before, new tokens)] per request
     "W3-2048 prefill 4x2048": [(0, 2048)] * 4,
@@ -44,6 +46,12 @@ PREFILL_SHAPES = {  # name -> [(context before, new tokens)] per request
     "W3-128 prefill 64x128": [(0, 128)] * 64,
     "W5 chunk 16x512 after 512": [(512, 512)] * 16,
     "W3 mixed 8x1000 + 256 decodes at 1500": [(0, 1000)] * 8 + [(1499, 1)] * 256,
+    # W1 at 16 req/s: a 467-token prompt in two chunks (or one) beside ~20 decodes
+    "W1 chunk 1: 236 + 20 decodes at 600": [(0, 236)] + [(599, 1)] * 20,
+    "W1 chunk 2: 231 after 236 + 20 decodes at 600": [(236, 231)] + [(599, 1)] * 20,
+    "W1 whole: 467 + 20 decodes at 600": [(0, 467)] + [(599, 1)] * 20,
+    "W1 chunk 2 alone: 231 after 236": [(236, 231)],
+    "W1 20 decodes at 600 alone": [(599, 1)] * 20,
 }
 
 
@@ -165,7 +173,7 @@ def sweep_decode_attn() -> tuple[dict, list[str]]:
     return results, table
 
 
-def sweep_prefill_attn() -> tuple[dict, list[str]]:
+def sweep_prefill_attn(only: str = "") -> tuple[dict, list[str]]:
     import triton.testing
 
     from lantau.kernels import unified_attention as ua
@@ -173,6 +181,8 @@ def sweep_prefill_attn() -> tuple[dict, list[str]]:
 
     results, table = {}, []
     for name, requests in PREFILL_SHAPES.items():
+        if only not in name:
+            continue
         q, kv, qsl, seq, blocks = paged_batch(requests)
         max_q, max_s = max(n for _, n in requests), max(c + n for c, n in requests)
         flop = 4.0 * HEADS * DIM * sum(c + i + 1 for c, n in requests for i in range(n))
@@ -189,13 +199,16 @@ def sweep_prefill_attn() -> tuple[dict, list[str]]:
                     continue
                 ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
                 row[str(tile)] = flop / ms / 1e9
+                row[f"{tile} us"] = ms * 1e3
             except Exception as e:  # a tiling that does not build (shared memory): skipped
                 print(name, tile, type(e).__name__, str(e)[:80], flush=True)
         results[name] = row
-        best = max(row, key=row.get)
-        base = row.get(str(PREFILL_TILES[0]), float("nan"))
+        best = max((k for k in row if not k.endswith("us")), key=row.get)
+        base = str(PREFILL_TILES[0])
         table.append(
-            f"| prefill {name} | default {base:.1f} TFLOP/s | {best} {row[best]:.1f} TFLOP/s |"
+            f"| prefill {name} | default {row.get(base, float('nan')):.1f} TFLOP/s, "
+            f"{row.get(base + ' us', float('nan')):.1f} us | {best} {row[best]:.1f} TFLOP/s, "
+            f"{row[best + ' us']:.1f} us |"
         )
         print(table[-1], flush=True)
     return results, table
@@ -205,6 +218,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel", required=True, choices=["gemv", "decode-attn", "prefill-attn"])
     p.add_argument("--all", action="store_true", help="gemv: every K-loop tiling, not the default")
+    p.add_argument("--shapes", default="", help="prefill-attn: only shapes whose name has this")
     args = p.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     if args.kernel == "gemv":
@@ -212,7 +226,7 @@ def main() -> None:
     elif args.kernel == "decode-attn":
         results, table = sweep_decode_attn()
     else:
-        results, table = sweep_prefill_attn()
+        results, table = sweep_prefill_attn(args.shapes)
     path = os.path.join(os.environ.get("OUT", "."), f"kernel_sweep-{args.kernel}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
