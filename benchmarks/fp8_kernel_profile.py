@@ -31,7 +31,7 @@ from lantau.bench.workloads import make_workload
 OUT = os.environ.get("OUT", ".")
 FAMILIES = [
     ("fp8 gemm", re.compile(r"scaled_mm|f8|fp8.*gemm|e4m3|sm90_xmma_gemm.*f8|cutlass.*f8", re.I)),
-    ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|matmul", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|matmul|nvjet", re.I)),  # nvjet: cuBLAS's
     ("quant", re.compile(r"quant", re.I)),
     ("attention", re.compile(r"attn|attention|paged", re.I)),
     ("norm/rope/act", re.compile(r"norm|rope|rotary|silu|act", re.I)),
@@ -40,6 +40,18 @@ FAMILIES = [
 
 def family(name: str) -> str:
     return next((fam for fam, pat in FAMILIES if pat.search(name)), "other")
+
+
+def kernel_times(prof) -> tuple[dict[str, float], dict[str, int]]:
+    """A profile's kernels: device ms and launches by name."""
+    kernels: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", 0)
+        if us > 0:
+            kernels[evt.key] += us / 1e3
+            counts[evt.key] += evt.count
+    return kernels, counts
 
 
 def profiled(llm, prompts, max_tokens: int) -> dict:
@@ -56,13 +68,7 @@ def profiled(llm, prompts, max_tokens: int) -> dict:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     llm.reset_prefix_cache()
-    kernels: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", 0)
-        if us > 0:
-            kernels[evt.key] += us / 1e3
-            counts[evt.key] += evt.count
+    kernels, counts = kernel_times(prof)
     busy = sum(kernels.values())
     fams: dict[str, float] = defaultdict(float)
     for name, ms in kernels.items():

@@ -18,12 +18,12 @@ import argparse
 import gc
 import json
 import os
-import re
 import statistics
 import time
 from collections import defaultdict
 
 import torch
+from fp8_kernel_profile import family, kernel_times
 from torch.profiler import ProfilerActivity, profile
 
 from lantau import LLM, SamplingParams
@@ -33,25 +33,6 @@ from lantau.engine.pacer import StepPacer
 OUT = os.environ.get("OUT", ".")
 ACTIVITIES = [ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]
 PROMPT_LEN = 467  # W1
-FAMILIES = [
-    ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|matmul|sm90", re.I)),
-    ("attention", re.compile(r"attn|attention|paged", re.I)),
-    ("norm/rope/act", re.compile(r"norm|rope|rotary|silu|act", re.I)),
-    ("embedding/argmax", re.compile(r"embed|argmax", re.I)),
-]
-
-
-def family(name: str) -> str:
-    return next((fam for fam, pat in FAMILIES if pat.search(name)), "other")
-
-
-def kernels_of(prof) -> dict[str, float]:
-    table: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", 0)
-        if us > 0:
-            table[evt.key] += us / 1e3
-    return table
 
 
 def sync() -> None:
@@ -135,11 +116,11 @@ def run_arm(model: str, threshold: int, decodes: int, prompts: int, seed: int, e
         for _ in range(16):
             engine.step()
         sync()
-    decode_kernels = {k: v / 16 for k, v in kernels_of(prof).items()}
+    decode_kernels = {k: v / 16 for k, v in kernel_times(prof)[0].items()}
     with profile(activities=ACTIVITIES) as prof:
         seconds, n = one_prompt("profiled")
         sync()
-    window = kernels_of(prof)
+    window = kernel_times(prof)[0]
     extra = {k: window.get(k, 0.0) - n * decode_kernels.get(k, 0.0) for k in window}
     fams: dict[str, float] = defaultdict(float)
     for k, ms in extra.items():
