@@ -221,13 +221,25 @@ class TritonOps(_Compositions):
         c = self.config
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tile, num_splits, merge = None, c.attn_num_splits, c.attn_merge
+        seq_range = (-1, self._decode.ALL_KEYS)  # every row
         if rope is not None:
             tile, merge = c.attn_small_tile, c.attn_small_merge
             if self.short_context_keys(q.shape[0]) >= meta.max_seq_len:
                 tile, num_splits = c.attn_short_tile, cdiv(c.attn_short_keys, c.attn_short_tile[0])
+        elif c.attn_class_keys:  # short contexts in their own tile's launch (attn_class_keys)
+            short = (-1, c.attn_class_keys)
+            self._decode.paged_decode_attention(
+                q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
+                num_splits=num_splits, config=c.attn_class_tile, merge=merge,
+                use_pdl=self._pdl, seq_range=short,
+            )  # fmt: skip
+            if meta.max_seq_len <= c.attn_class_keys:
+                return out  # an upper bound: no longer context in the batch
+            seq_range = (c.attn_class_keys, self._decode.ALL_KEYS)
         self._decode.paged_decode_attention(
             q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
             num_splits=num_splits, config=tile, merge=merge, rope=rope, use_pdl=self._pdl,
+            seq_range=seq_range,
         )  # fmt: skip
         return out
 
