@@ -76,6 +76,26 @@ def _sampled(base: str, prompt: str) -> dict:
     return {"text": body["choices"][0]["text"], "usage": body["usage"]}
 
 
+def test_kernels_from_a_dict_as_json_gives_them():
+    """LLM(kernels={...}) (benchmarks pass engine arguments as JSON): lists become the tuples
+    the frozen KernelConfig holds, an enum by its value, an unknown field a named error."""
+    from lantau.config import AttnMerge, KernelConfig
+
+    config, _ = build_engine_config(
+        "random:tiny", device="cpu",
+        kernels={"attn_class_keys": 512, "attn_class_tile": [64, 2, 2], "attn_merge": "unrolled",
+                 "gemv_tiles": [[[6144, 4096], [8, 512, 4, 3]]]},
+    )  # fmt: skip
+    kernels = config.kernels
+    assert kernels.attn_class_keys == 512 and kernels.attn_class_tile == (64, 2, 2)
+    assert kernels.attn_merge is AttnMerge.UNROLLED
+    assert kernels.gemv_tiles == (((6144, 4096), (8, 512, 4, 3)),)
+    assert hash(kernels)  # frozen, hashable: as a KernelConfig built in Python
+    assert build_engine_config("random:tiny", device="cpu")[0].kernels == KernelConfig()
+    with pytest.raises(ValueError, match="kernels: unknown field.s. attn_tile"):
+        build_engine_config("random:tiny", device="cpu", kernels={"attn_tile": [1, 2, 3]})
+
+
 def test_a_served_engine_runs_as_its_flags_say():
     """Three real servers: with --no-enable-prefix-caching a repeated prompt finds nothing
     cached (the default server finds it), and an unseeded sampled request draws from the

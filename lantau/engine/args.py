@@ -5,6 +5,7 @@ builds its config here and never imports torch. A device, dtype or attention bac
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from lantau import envs
 from lantau.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
@@ -46,13 +47,14 @@ def build_engine_config(
     attention_backend: str = "auto",
     enforce_eager: bool = False,
     async_scheduling: bool = True,
-    kernels: KernelConfig | None = None,
+    kernels: KernelConfig | dict | None = None,
     lora_modules=(),
     max_loras: int = 0,
     max_lora_rank: int = 0,
 ) -> tuple[EngineConfig, ModelSource]:
     """The frozen EngineConfig and the model source, from user-facing arguments. `kernels`:
-    the triton backend's choices (default: KernelConfig's, PDL as LANTAU_PDL says);
+    the triton backend's choices (default: KernelConfig's, PDL as LANTAU_PDL says), or a
+    dict of its fields (JSON's: lists read as tuples);
     `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" (e4m3, twice the tokens)."""
     if max_loras < 0 or max_lora_rank < 0:
         raise ValueError("max_loras and max_lora_rank: at least 0")
@@ -90,7 +92,7 @@ def build_engine_config(
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
         async_scheduling=async_scheduling,
-        kernels=kernels or KernelConfig(enable_pdl=envs.pdl_enabled()),
+        kernels=kernel_config(kernels),
         lora_modules=parse_lora_modules(lora_modules),
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
@@ -165,3 +167,27 @@ def resolve_device(config: EngineConfig, cuda_available: bool) -> EngineConfig:
         dtype=resolve_dtype(config.dtype, device),
         attention_backend=backend,
     )
+
+
+def kernel_config(kernels: KernelConfig | dict | None) -> KernelConfig:
+    """A KernelConfig from itself, a dict of its fields (as JSON gives them: lists become
+    tuples; PDL as LANTAU_PDL says unless given) or None (the defaults)."""
+    if isinstance(kernels, KernelConfig):
+        return kernels
+    fields = {"enable_pdl": envs.pdl_enabled(), **(kernels or {})}
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(KernelConfig)})
+    if unknown:
+        raise ValueError(f"kernels: unknown field(s) {', '.join(unknown)}")
+
+    defaults = KernelConfig()
+
+    def as_tuples(value):
+        return tuple(as_tuples(v) for v in value) if isinstance(value, list) else value
+
+    def frozen(name: str, value):
+        default = getattr(defaults, name)
+        if isinstance(default, enum.Enum) and not isinstance(value, enum.Enum):
+            return type(default)(value)  # AttnMerge by its value
+        return as_tuples(value)
+
+    return KernelConfig(**{name: frozen(name, value) for name, value in fields.items()})
