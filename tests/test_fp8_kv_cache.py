@@ -259,8 +259,11 @@ _SM90_KERNELS = {
     "rotary._rotary_write_kv_kernel": (
         dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", positions_ptr="*i64",
              cos_sin_cache_ptr="*fp32", key_cache_ptr="*fp8e4nv", value_cache_ptr="*fp8e4nv",
-             slot_mapping_ptr="*i64", k_inv_scale="fp32", v_inv_scale="fp32"),
-        dict(HALF_DIM=64, BLOCK_HALF=64, BLOCK_Q_HEADS=32, BLOCK_K_HEADS=8, USE_PDL=True),
+             slot_mapping_ptr="*i64", k_inv_scale="fp32", v_inv_scale="fp32",
+             row_scale_ptr="*fp32", q_col_ptr="*fp32", k_col_ptr="*fp32", v_col_ptr="*fp32"),
+        # SCALED: q, k and v from a tensor-wise fp8 product (KernelConfig.fp8_tensorwise_rows)
+        dict(HALF_DIM=64, BLOCK_HALF=64, BLOCK_Q_HEADS=32, BLOCK_K_HEADS=8, USE_PDL=True,
+             SCALED=True),
     ),
     "unified_attention._unified_attention_kernel": (
         dict(q_ptr="*bf16", kv_ptr="*fp8e4nv", out_ptr="*bf16", query_start_loc_ptr="*i32",

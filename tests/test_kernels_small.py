@@ -154,6 +154,45 @@ def test_apply_rotary_and_write_kv(
     assert_pad_untouched(qkv)
 
 
+@pytest.mark.usefixtures("interpreter_fp8_cast")
+@pytest.mark.parametrize("kv_dtype", ["model", torch.float8_e4m3fn])
+def test_rotary_scales_an_unscaled_product_first(kv_dtype) -> None:
+    """row_scale / col_scale: q, k and v as an unscaled fp8 product (a tensor-wise GEMM's)
+    give what the scaled product would: q rotated in place, the rotated keys and the values in
+    the cache (an fp8 cache's quantized from the scaled values). bf16, head 128 (llama's)."""
+    torch.manual_seed(6)
+    dtype, head_dim, num_tokens, num_heads, num_kv_heads = torch.bfloat16, 128, 5, 4, 2
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    raw = torch.randn(num_tokens, q_size + 2 * kv_size) * 300  # an e4m3 product's magnitudes
+    row_scale = (torch.rand(num_tokens) + 0.5) * 1e-2  # scaled values of about 1
+    col_scale = (torch.rand(q_size + 2 * kv_size) + 0.5) * 0.3
+    scaled = (raw * row_scale[:, None] * col_scale[None, :]).to(dtype)
+    raw = raw.to(dtype)
+    positions = torch.tensor([3, 0, 99, 7, 12])
+    slots = torch.tensor([5, 0, -1, 9, 2])
+    cos_sin = build_cos_sin_cache(rope_inv_freq(head_dim, 500000.0, None), 128)
+    cache_dtype = dtype if kv_dtype == "model" else kv_dtype
+    caches = [torch.zeros(2, 4, 4, num_kv_heads, head_dim, dtype=cache_dtype) for _ in range(2)]
+    qs = []
+    for qkv, cache, scales in ((scaled, caches[0], {}), (raw, caches[1], None)):
+        qkv = qkv.clone()
+        q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+        if scales is None:
+            scales = dict(row_scale=row_scale, col_scale=col_scale)
+        apply_rotary_and_write_kv(q, k, v, positions, cos_sin, cache, slots, **scales)
+        qs.append(q)
+    # the scaled product was rounded to bf16 before its rotation, the raw one only after: a
+    # bf16 step apart (values of about 1), an fp8 cache's values an e4m3 step (1/8 at most)
+    torch.testing.assert_close(qs[1], qs[0], rtol=2e-2, atol=2e-2)
+    step = 0.13 if cache_dtype == torch.float8_e4m3fn else 2e-2
+    torch.testing.assert_close(caches[1].float(), caches[0].float(), rtol=step, atol=2e-2)
+    assert caches[1].float().abs().sum() > 0
+    with pytest.raises(AssertionError, match="go together"):
+        apply_rotary_and_write_kv(q, k, v, positions, cos_sin, cache, slots, row_scale=row_scale)
+
+
 def test_rope_linear_scaling_cache() -> None:
     # linear scaling reaches the cache only through rope_inv_freq
     scaling = RopeScaling(rope_type="linear", factor=4.0)
@@ -182,6 +221,22 @@ def test_silu_and_mul(
     assert_pad_untouched(out)
     assert_close(out, silu_and_mul_ref(x))
     assert_close(silu_and_mul(x), out)  # freshly allocated output
+
+
+def test_silu_and_mul_scales_an_unscaled_product_first() -> None:
+    """row_scale / col_scale: x as an unscaled fp8 product gives silu_and_mul of the scaled
+    one (both halves by their own columns' scales); misshapen scales are refused."""
+    torch.manual_seed(7)
+    num_tokens, d = 6, 300
+    raw = torch.randn(num_tokens, 2 * d) * 200
+    row_scale = torch.rand(num_tokens) * 1e-2 + 1e-3
+    col_scale = torch.rand(2 * d) * 1e-2 + 1e-3
+    expected = silu_and_mul_ref(raw * row_scale[:, None] * col_scale[None, :])
+    assert_close(silu_and_mul(raw, row_scale=row_scale, col_scale=col_scale), expected)
+    with pytest.raises(AssertionError, match="col_scale must be"):
+        silu_and_mul(raw, row_scale=row_scale, col_scale=col_scale[:d])
+    with pytest.raises(AssertionError, match="go together"):
+        silu_and_mul(raw, col_scale=col_scale)
 
 
 # ---------------------------------------------------------------- bad input

@@ -21,8 +21,11 @@ def _silu_and_mul_kernel(
     x_row_stride,
     out_row_stride,
     d,
+    row_scale_ptr,  # [num_tokens] fp32, when SCALED
+    col_scale_ptr,  # [2 * d] fp32, when SCALED
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of d, at most MAX_BLOCK_SIZE
     USE_PDL: tl.constexpr,
+    SCALED: tl.constexpr,  # x is an unscaled fp8 product: x[t, c] * row_scale[t] * col_scale[c]
 ):
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -31,17 +34,27 @@ def _silu_and_mul_kernel(
     x_row = x_ptr + row * x_row_stride
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        rs = tl.load(row_scale_ptr + row)
+        gate *= rs * tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+        up *= rs * tl.load(col_scale_ptr + d + cols, mask=mask, other=0.0)
     out = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(
-    x: torch.Tensor, out: torch.Tensor | None = None, use_pdl: bool = True
+    x: torch.Tensor,
+    out: torch.Tensor | None = None,
+    use_pdl: bool = True,
+    row_scale: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up], in fp32, rounded once to x's dtype.
 
     x: [num_tokens, 2 * d], any row stride, last dim contiguous; out: [num_tokens, d] (new if
-    None), any row stride, last dim contiguous.
+    None), any row stride, last dim contiguous. row_scale [num_tokens] and col_scale [2 * d]
+    (fp32, together): x is a product still to be scaled (a tensor-wise fp8 GEMM's), each
+    value by its row's and its column's scale before the activation.
     """
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [num_tokens, 2 * d], {tuple(x.shape)}"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
@@ -53,6 +66,10 @@ def silu_and_mul(
     assert out.dtype == x.dtype, f"out {out.dtype} != x {x.dtype}"
     assert out.device == x.device, f"out on {out.device}, x on {x.device}"
     assert out.stride(1) == 1, f"out rows must be contiguous, strides {out.stride()}"
+    scaled = row_scale is not None
+    assert scaled == (col_scale is not None), "row_scale and col_scale go together"
+    if scaled:
+        check_scales(row_scale, col_scale, num_tokens, 2 * d, x.device)
     if num_tokens == 0 or d == 0:
         return out
     block_size = min(triton.next_power_of_2(d), MAX_BLOCK_SIZE)
@@ -62,9 +79,23 @@ def silu_and_mul(
         x.stride(0),
         out.stride(0),
         d,
+        row_scale if scaled else x,
+        col_scale if scaled else x,
         BLOCK_SIZE=block_size,
+        SCALED=scaled,
         **pdl.launch_options(x.device, use_pdl),
         # about 8 elements per thread: 16-byte fp16 loads
         num_warps=min(max(block_size // 256, 1), 16),
     )
     return out
+
+
+def check_scales(
+    row_scale: torch.Tensor, col_scale: torch.Tensor, rows: int, cols: int, device
+) -> None:
+    """An unscaled product's scales: [rows] and [cols] fp32, contiguous, on its device."""
+    for name, t, n in (("row_scale", row_scale, rows), ("col_scale", col_scale, cols)):
+        assert t.shape == (n,) and t.dtype == torch.float32, (
+            f"{name} must be [{n}] fp32, got {tuple(t.shape)} {t.dtype}"
+        )
+        assert t.is_contiguous() and t.device == device, f"{name}: contiguous, on {device}"

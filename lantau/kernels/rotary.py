@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
+from lantau.kernels.activation import check_scales
 from lantau.kernels.attention_tiles import FP8_KV_DTYPE, check_kv_scales, quantize_kv
 from lantau.kernels.pdl import pdl_wait
 
@@ -36,10 +37,24 @@ def _cos_sin(cos_sin_cache_ptr, position, HALF_DIM: tl.constexpr, BLOCK_HALF: tl
 
 
 @triton.jit
-def _rotated(row_ptr, offs, mask, cos, sin, HALF_DIM: tl.constexpr):
-    """Both halves of the heads at `offs` (first-half offsets) from row_ptr, rotated (fp32)."""
+def _halves(
+    row_ptr, offs, mask, scale, col_ptr, cols, HALF_DIM: tl.constexpr, SCALED: tl.constexpr
+):
+    """Both halves of the heads at `offs` (first-half offsets) from row_ptr (fp32); SCALED:
+    times `scale` (the row's) and col_ptr's column scales at `cols` (first-half columns)."""
     x1 = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(row_ptr + offs + HALF_DIM, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        x1 *= scale * tl.load(col_ptr + cols, mask=mask, other=0.0)
+        x2 *= scale * tl.load(col_ptr + cols + HALF_DIM, mask=mask, other=0.0)
+    return x1, x2
+
+
+@triton.jit
+def _rotated(row_ptr, offs, mask, cos, sin, HALF_DIM: tl.constexpr, scale=1.0, col_ptr=None,
+             cols=None, SCALED: tl.constexpr = False):  # fmt: skip
+    """Both halves of the heads at `offs` (first-half offsets) from row_ptr, rotated (fp32)."""
+    x1, x2 = _halves(row_ptr, offs, mask, scale, col_ptr, cols, HALF_DIM, SCALED)
     return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
 
 
@@ -53,13 +68,17 @@ def _rotate_heads(
     HALF_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    scale=1.0,
+    col_ptr=None,
+    SCALED: tl.constexpr = False,
 ):
     # row_ptr: one token's first head; cos, sin: [BLOCK_HALF] fp32, 0 past HALF_DIM
     heads = tl.arange(0, BLOCK_HEADS)
     dims = tl.arange(0, BLOCK_HALF)
     offs = heads[:, None] * head_stride + dims[None, :]  # [BLOCK_HEADS, BLOCK_HALF]
     mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF_DIM)
-    out1, out2 = _rotated(row_ptr, offs, mask, cos, sin, HALF_DIM)
+    cols = heads[:, None] * (2 * HALF_DIM) + dims[None, :]  # the heads' columns, contiguous
+    out1, out2 = _rotated(row_ptr, offs, mask, cos, sin, HALF_DIM, scale, col_ptr, cols, SCALED)
     tl.store(row_ptr + offs, out1.to(row_ptr.dtype.element_ty), mask=mask)
     tl.store(row_ptr + offs + HALF_DIM, out2.to(row_ptr.dtype.element_ty), mask=mask)
 
@@ -100,11 +119,16 @@ def _rotary_write_kv_kernel(
     num_kv_heads,
     k_inv_scale,  # 1 / k_scale, 1 / v_scale (1 but for an fp8 cache)
     v_inv_scale,
+    row_scale_ptr,  # [num_tokens] fp32, when SCALED
+    q_col_ptr,  # q's, k's and v's column scales (num_heads or num_kv_heads x head_dim), when
+    k_col_ptr,  # SCALED: q, k and v are an unscaled fp8 product's, each value still to be
+    v_col_ptr,  # multiplied by its row's and its column's scale
     HALF_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_Q_HEADS: tl.constexpr,
     BLOCK_K_HEADS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     # the token's position, its cos / sin row and its slot before the PDL wait: step inputs no
     # kernel of the step writes, and a constant (pdl.py's contract)
@@ -112,9 +136,10 @@ def _rotary_write_kv_kernel(
     cos, sin = _cos_sin(cos_sin_cache_ptr, tl.load(positions_ptr + token), HALF_DIM, BLOCK_HALF)
     slot = tl.load(slot_mapping_ptr + token)
     pdl_wait(USE_PDL)
+    scale = tl.load(row_scale_ptr + token) if SCALED else 1.0
     _rotate_heads(
         q_ptr + token * q_row_stride, q_head_stride, num_heads, cos, sin,
-        HALF_DIM, BLOCK_Q_HEADS, BLOCK_HALF,
+        HALF_DIM, BLOCK_Q_HEADS, BLOCK_HALF, scale, q_col_ptr, SCALED,
     )  # fmt: skip
     # keys: rotated in registers, stored to the cache slot only; values copied alongside.
     # slot < 0 marks a padding row (CUDA-graph batches): the masks turn the stores off
@@ -122,17 +147,24 @@ def _rotary_write_kv_kernel(
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HALF_DIM) & (slot >= 0)
     src = heads[:, None] * k_head_stride + dims[None, :]
-    out1, out2 = _rotated(k_ptr + token * k_row_stride, src, mask, cos, sin, HALF_DIM)
+    cols = heads[:, None] * (2 * HALF_DIM) + dims[None, :]
+    out1, out2 = _rotated(
+        k_ptr + token * k_row_stride, src, mask, cos, sin, HALF_DIM, scale, k_col_ptr, cols,
+        SCALED,
+    )  # fmt: skip
     dst = slot * (num_kv_heads * 2 * HALF_DIM) + heads[:, None] * (2 * HALF_DIM) + dims[None, :]
     # each as the cache stores it: rounded, or quantized into an fp8 cache
     out1 = quantize_kv(out1, k_inv_scale, key_cache_ptr)
     tl.store(key_cache_ptr + dst, out1, mask=mask)
     out2 = quantize_kv(out2, k_inv_scale, key_cache_ptr)
     tl.store(key_cache_ptr + dst + HALF_DIM, out2, mask=mask)
-    vsrc = v_ptr + token * v_row_stride + heads[:, None] * v_head_stride + dims[None, :]
-    v1 = quantize_kv(tl.load(vsrc, mask=mask), v_inv_scale, value_cache_ptr)
+    vsrc = heads[:, None] * v_head_stride + dims[None, :]
+    v1, v2 = _halves(
+        v_ptr + token * v_row_stride, vsrc, mask, scale, v_col_ptr, cols, HALF_DIM, SCALED
+    )
+    v1 = quantize_kv(v1, v_inv_scale, value_cache_ptr)
     tl.store(value_cache_ptr + dst, v1, mask=mask)
-    v2 = quantize_kv(tl.load(vsrc + HALF_DIM, mask=mask), v_inv_scale, value_cache_ptr)
+    v2 = quantize_kv(v2, v_inv_scale, value_cache_ptr)
     tl.store(value_cache_ptr + dst + HALF_DIM, v2, mask=mask)
 
 
@@ -147,9 +179,15 @@ def apply_rotary_and_write_kv(
     use_pdl: bool = True,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    row_scale: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
 ) -> None:
     """Rotate q in place by the angles of each token's position; store rotated k and v into
     cache slot slot_mapping[t] (slot < 0: skipped). k itself is left as it was.
+    row_scale [num_tokens] and col_scale [(num_heads + 2 * num_kv_heads) * head_dim] (fp32,
+    together): q, k and v are views of an unscaled fp8 product (a tensor-wise GEMM's, in q,
+    k, v column order), each value multiplied by its row's and its column's scale first (q
+    stored back scaled and rotated).
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]; all may be
     strided views of a fused qkv output (any row and head stride, last dim contiguous).
@@ -182,10 +220,19 @@ def apply_rotary_and_write_kv(
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "last dim not contiguous"
     assert kv_cache.is_contiguous() and cos_sin_cache.is_contiguous()
     assert positions.is_contiguous() and slot_mapping.is_contiguous()
+    scaled = row_scale is not None
+    assert scaled == (col_scale is not None), "row_scale and col_scale go together"
+    q_cols, kv_cols = num_heads * head_dim, k.shape[1] * head_dim
+    if scaled:
+        check_scales(row_scale, col_scale, num_tokens, q_cols + 2 * kv_cols, q.device)
+        col_q, col_k, col_v = col_scale.split([q_cols, kv_cols, kv_cols])
+    else:  # unused
+        row_scale = col_q = col_k = col_v = positions
     if num_tokens == 0:
         return
     _rotary_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, kv_cache[0], kv_cache[1], slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        num_heads, k.shape[1], 1.0 / k_scale, 1.0 / v_scale, **_launch_options(q, k, use_pdl),
+        num_heads, k.shape[1], 1.0 / k_scale, 1.0 / v_scale, row_scale, col_q, col_k, col_v,
+        SCALED=scaled, **_launch_options(q, k, use_pdl),
     )  # fmt: skip

@@ -175,6 +175,24 @@ def scaled_mm(
     )
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def unscaled_mm(
+    xq: torch.Tensor, wq: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """`torch._scaled_mm` with unit tensor-wise scales: xq [M, K] @ wq [N, K]^T -> the raw
+    product [M, N] (fast accumulation, as scaled_mm), still to be multiplied by the rows' and
+    columns' scales by whatever reads it. The unit scale is one tensor a device (CUDA graphs
+    keep its address)."""
+    one = _UNIT_SCALES.get(xq.device)
+    if one is None:
+        one = _UNIT_SCALES[xq.device] = torch.ones((), dtype=torch.float32, device=xq.device)
+    return torch._scaled_mm(
+        xq, wq.t(), scale_a=one, scale_b=one, out_dtype=out_dtype, use_fast_accum=True
+    )
+
+
 def fp8_linear_scaled_mm(
     x: torch.Tensor,
     layer: Fp8Linear,

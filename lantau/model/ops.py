@@ -179,7 +179,27 @@ class TritonOps(_Compositions):
         gated = self.config.enable_gemv and self.config.enable_gate_silu and x.shape[0] == 1
         if gated and not self.lora_on(layer):  # an adapter's delta comes before the SiLU
             return self._gemv_linear(x, layer, gated=True)
+        if self._tensorwise(x, layer):
+            raw, scales = self._unscaled_linear(x, layer)
+            return self._act.silu_and_mul(raw, use_pdl=self._pdl, **scales)
         return super().linear_silu_mul(x, layer)
+
+    def _tensorwise(self, x, layer) -> bool:
+        """Whether an fp8 layer's product is left unscaled for its reader to scale
+        (KernelConfig.fp8_tensorwise_rows): no bias, no adapter delta, not the batch-1 GEMV."""
+        lo, hi = self.config.fp8_tensorwise_rows
+        rows = x.shape[0]
+        return (
+            isinstance(layer, fp8.Fp8Linear) and lo <= rows <= hi and layer.bias is None
+            and not self.lora_on(layer) and not (self.config.enable_gemv and rows == 1)
+        )  # fmt: skip
+
+    def _unscaled_linear(self, x, layer) -> tuple[torch.Tensor, dict]:
+        """The raw tensor-wise product of x (quantized by token) and the layer's e4m3 weight,
+        and the scales its reader applies (row_scale, col_scale)."""
+        xq, xs = self._fp8_quant.quantize_rows(x, use_pdl=self._pdl)
+        raw = fp8.unscaled_mm(xq, layer.weight, x.dtype)
+        return raw, dict(row_scale=xs, col_scale=layer.weight_scale)
 
     def qkv_attention(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
@@ -188,6 +208,14 @@ class TritonOps(_Compositions):
         """Small decode batches: rotary and the KV write inside the attention launch, one
         launch fewer a layer."""
         if not (meta.is_decode_only and x.shape[0] <= self.config.attn_small_rows):
+            if self._tensorwise(x, layer):  # the rotary kernel scales q, k and v
+                raw, scales = self._unscaled_linear(x, layer)
+                q, k, v = split_qkv(raw, num_heads, *kv_cache.shape[3:])
+                self._rope.apply_rotary_and_write_kv(
+                    q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping,
+                    use_pdl=self._pdl, **scales,
+                )  # fmt: skip
+                return self.attention(q, kv_cache, meta, scale)
             return super().qkv_attention(
                 x, layer, num_heads, positions, cos_sin_cache, kv_cache, meta, scale
             )
