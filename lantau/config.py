@@ -246,10 +246,11 @@ class KernelConfig:
     # default tile, 86 with (64, 4, 2), which loses at 1,024 keys and more; RESULTS.md)
     attn_class_keys: int = 0
     attn_class_tile: Tile = (64, 4, 2)
-    # fp8 qkv and gate_up projections of lo..hi rows: a tensor-wise _scaled_mm (the raw
-    # product), its row and column scales applied by the kernel that reads it (rotary and the
-    # KV write, SiLU-and-mul) ((0, 0): never). cuBLAS's tensor-wise kernels beat its row-wise
-    # ones at 256-384 rows (H200: 8B qkv 1,202 vs 836 TFLOP/s at 384 rows; RESULTS.md)
+    # fp8 projections of lo..hi rows: a tensor-wise _scaled_mm (the raw product), its row and
+    # column scales applied by the kernel that reads it (qkv: rotary and the KV write;
+    # gate_up: SiLU-and-mul; o_proj, down_proj: the residual add + norm, without tensor
+    # parallelism) ((0, 0): never). cuBLAS's tensor-wise kernels beat its row-wise ones at
+    # 256-384 rows (H200: 8B qkv 1,202 vs 836 TFLOP/s, 70B down 1,394 vs 1,090 at 384 rows)
     fp8_tensorwise_rows: tuple[int, int] = (0, 0)
     # steps of at most this many tokens add LoRA deltas with lantau/kernels/lora.py (a step
     # without adapter rows costs its launches only), larger ones with the masked GEMMs of

@@ -333,25 +333,29 @@ def test_bench_offline_fp8_cli(tmp_path):
 
 @pytest.mark.usefixtures("interpreter_bf16_dot", "interpreter_fp8_cast")
 def test_tensorwise_products_scaled_by_their_readers(tiny_llama_dir, monkeypatch):
-    """KernelConfig.fp8_tensorwise_rows: qkv and gate_up products of 2 rows and more left
-    unscaled (a tensor-wise `_scaled_mm`), their row and column scales applied by rotary /
-    the KV write and by SiLU-and-mul. Teacher-forced (the prompts' logprobs, every prompt row
-    through it), they stay as close to the torch backend's fp32 emulation as the row-wise
-    products do (the raw product is rounded to bf16 before its scales, the row-wise one after:
-    random weights put tokens at near-ties, so sampled tokens are not compared)."""
+    """KernelConfig.fp8_tensorwise_rows: every projection's product of 2 rows and more left
+    unscaled (a tensor-wise `_scaled_mm`), its row and column scales applied by its reader:
+    rotary and the KV write (qkv), SiLU-and-mul (gate_up), the residual add + norm (o_proj,
+    down_proj; the last layer's by the final norm, or before the residual add where the
+    forward returns the stream unnormalised). Teacher-forced (the prompts' logprobs, every
+    prompt row through it), they stay as close to the torch backend's fp32 emulation as the
+    row-wise products do (the raw product is rounded to bf16 before its scales, the row-wise
+    one after: random weights put tokens at near-ties, so sampled tokens are not compared)."""
     from lantau.config import KernelConfig
 
     calls = []
     original = fp8.unscaled_mm
 
     def spying(xq, wq, out_dtype=torch.bfloat16):
-        calls.append((xq.shape[0], wq.shape[0]))
+        calls.append((xq.shape[0], *wq.shape))  # rows, N, K
         return original(xq, wq, out_dtype)
 
     monkeypatch.setattr(fp8, "unscaled_mm", spying)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (14, 9, 20)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    # 3 tokens: decode steps of 3 rows run it too (the last layer's product scaled by the
+    # final norm), though only the prompts' logprobs are compared
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=0)
     logprobs = {}
     for name, backend, rows in (
         ("torch", "torch", (0, 0)), ("rowwise", "triton", (0, 0)),
@@ -372,8 +376,12 @@ def test_tensorwise_products_scaled_by_their_readers(tiny_llama_dir, monkeypatch
         assert bool(calls) == (name == "tensorwise")
     config = llm.engine.core.runner.model.config
     qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    assert {n for _, n in calls} == {qkv_rows, 2 * config.intermediate_size}
-    assert min(m for m, _ in calls) >= 2
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_size = config.num_attention_heads * config.head_dim
+    assert {(n, k) for _, n, k in calls} == {
+        (qkv_rows, hidden), (2 * inter, hidden), (hidden, q_size), (hidden, inter),
+    }  # fmt: skip
+    assert min(m for m, _, _ in calls) >= 2
     rowwise = (logprobs["rowwise"] - logprobs["torch"]).abs().mean().item()
     tensorwise = (logprobs["tensorwise"] - logprobs["torch"]).abs().mean().item()
     assert tensorwise <= 1.5 * rowwise + 1e-3

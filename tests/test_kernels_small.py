@@ -106,6 +106,26 @@ def test_fused_add_rms_norm(dtype: torch.dtype, hidden_size: int) -> None:
     assert_close(x, x_ref)
 
 
+def test_fused_add_rms_norm_scales_an_unscaled_product_first() -> None:
+    """row_scale / col_scale: x as an unscaled fp8 product (o_proj's, down_proj's) is
+    scaled before the residual add: the reference's result on the scaled product."""
+    torch.manual_seed(3)
+    num_tokens, hidden_size, eps = 4, 1000, 1e-6
+    raw = torch.randn(num_tokens, hidden_size) * 300
+    row_scale = (torch.rand(num_tokens) + 0.5) * 1e-2
+    col_scale = (torch.rand(hidden_size) + 0.5) * 0.3
+    residual = torch.randn(num_tokens, hidden_size)
+    weight = 1 + 0.1 * torch.randn(hidden_size)
+    x_ref, residual_ref = add_rms_norm_ref(
+        raw * row_scale[:, None] * col_scale[None, :], residual, weight, eps
+    )
+    fused_add_rms_norm(raw, residual, weight, eps, row_scale=row_scale, col_scale=col_scale)
+    assert_close(residual, residual_ref)
+    assert_close(raw, x_ref)
+    with pytest.raises(AssertionError, match="row_scale must be"):
+        fused_add_rms_norm(raw, residual, weight, eps, row_scale=row_scale[:2], col_scale=col_scale)
+
+
 # ---------------------------------------------------------------- rotary
 
 LLAMA3_SCALING = RopeScaling(

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
+from lantau.kernels.activation import check_scales
 from lantau.kernels.pdl import pdl_wait
 
 
@@ -66,8 +67,11 @@ def _fused_add_rms_norm_kernel(
     residual_row_stride,
     hidden_size,
     eps,
+    row_scale_ptr,  # [num_tokens] fp32, when SCALED
+    col_scale_ptr,  # [hidden_size] fp32, when SCALED
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
     USE_PDL: tl.constexpr,
+    SCALED: tl.constexpr,  # x is an unscaled fp8 product: x[t, c] * row_scale[t] * col_scale[c]
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
@@ -76,6 +80,8 @@ def _fused_add_rms_norm_kernel(
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * residual_row_stride
     x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        x *= tl.load(row_scale_ptr + row) * tl.load(col_scale_ptr + offs, mask=mask, other=0.0)
     residual = tl.load(residual_row + offs, mask=mask, other=0.0).to(tl.float32)
     # normalise the rounded sum, the value the next layer's residual add will read back
     total = (x + residual).to(residual_ptr.dtype.element_ty)
@@ -131,15 +137,28 @@ def rms_norm(
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, use_pdl: bool = True
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    use_pdl: bool = True,
+    row_scale: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
 ) -> None:
-    """In place: residual = x + residual (rounded to its dtype); x = RMSNorm(residual)."""
+    """In place: residual = x + residual (rounded to its dtype); x = RMSNorm(residual).
+    row_scale [num_tokens] and col_scale [hidden_size] (fp32, together): x is an unscaled fp8
+    product (a tensor-wise GEMM's), each value multiplied by its row's and its column's scale
+    before the add."""
     # x, residual: [num_tokens, hidden_size], any row strides; weight: [hidden_size]
     assert weight.dim() == 1 and weight.is_contiguous(), f"weight {tuple(weight.shape)}"
     _check_rows("x", x, weight)
     _check_rows("residual", residual, weight)
     assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
     num_tokens, hidden_size = x.shape
+    scaled = row_scale is not None
+    assert scaled == (col_scale is not None), "row_scale and col_scale go together"
+    if scaled:
+        check_scales(row_scale, col_scale, num_tokens, hidden_size, x.device)
     if num_tokens == 0:
         return
     block_size = triton.next_power_of_2(hidden_size)
@@ -151,7 +170,10 @@ def fused_add_rms_norm(
         residual.stride(0),
         hidden_size,
         eps,
+        row_scale if scaled else x,
+        col_scale if scaled else x,
         BLOCK_SIZE=block_size,
+        SCALED=scaled,
         **pdl.launch_options(x.device, use_pdl),
         num_warps=_num_warps(block_size),
     )

@@ -79,8 +79,10 @@ class LlamaAttention(nn.Module):
             x, self.qkv_proj, self.num_heads, ctx.positions, ctx.cos_sin_cache,
             ctx.kv_caches[self.layer_idx], ctx.attn, self.scale,
         )  # fmt: skip  # [num_tokens, num_heads, head_dim]
-        out = ops.linear(out.reshape(-1, self.q_size), self.o_proj)  # [num_tokens, hidden]
-        return self.tp.all_reduce(out)
+        out = out.reshape(-1, self.q_size)
+        if self.tp.size > 1:  # each rank's partial product, scaled before the all-reduce
+            return self.tp.all_reduce(ops.linear(out, self.o_proj))
+        return ops.residual_linear(out, self.o_proj)  # [num_tokens, hidden]
 
 
 class LlamaMLP(nn.Module):
@@ -93,8 +95,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = linear_layer(i, h, False, quant)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        out = ops.linear(ops.linear_silu_mul(x, self.gate_up_proj), self.down_proj)
-        return self.tp.all_reduce(out)
+        x = ops.linear_silu_mul(x, self.gate_up_proj)
+        if self.tp.size > 1:  # each rank's partial product, scaled before the all-reduce
+            return self.tp.all_reduce(ops.linear(x, self.down_proj))
+        return ops.residual_linear(x, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -189,9 +193,10 @@ class LlamaForCausalLM(nn.Module):
             if final_norm:
                 norm = self.model.norm
                 return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
-            return x + residual
+            return self.ops.resolve(x) + residual
         finally:
             self.ops.lora = None
+            self.ops._pending = None  # a failed forward's, never the next one's
 
     def decode_logits(
         self,

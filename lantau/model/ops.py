@@ -41,6 +41,8 @@ class _Compositions:
 
     # the step's adapter tokens (lantau/model/lora.py), set by the model for its forward
     lora: LoRABatch | None = None
+    # a residual_linear product left unscaled and its scales, until read (TritonOps)
+    _pending: tuple[torch.Tensor, dict] | None = None
 
     def lora_on(self, layer) -> bool:
         """Whether this forward adds adapter deltas to `layer`'s products."""
@@ -49,6 +51,15 @@ class _Compositions:
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         """silu_and_mul(layer(x)) for layer = gate_up_proj: [num_tokens, intermediate]."""
         return self.silu_and_mul(self.linear(x, layer))
+
+    def residual_linear(self, x, layer: torch.nn.Linear) -> torch.Tensor:
+        """layer(x) for a product that goes into the residual stream (o_proj, down_proj),
+        read next by add_rms_norm or `resolve` (TritonOps may leave it unscaled until then)."""
+        return self.linear(x, layer)
+
+    def resolve(self, x: torch.Tensor) -> torch.Tensor:
+        """x as a tensor of values (a residual_linear product scaled, where it was not)."""
+        return x
 
     def qkv_attention(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
@@ -184,6 +195,31 @@ class TritonOps(_Compositions):
             return self._act.silu_and_mul(raw, use_pdl=self._pdl, **scales)
         return super().linear_silu_mul(x, layer)
 
+    def residual_linear(self, x, layer) -> torch.Tensor:
+        """With fp8_tensorwise_rows: the raw product, its scales kept for the add_rms_norm
+        (or `resolve`) that reads it next."""
+        if not self._tensorwise(x, layer):
+            return self.linear(x, layer)
+        assert self._pending is None, "an unscaled product was never read"
+        raw, scales = self._unscaled_linear(x, layer)
+        self._pending = (raw, scales)
+        return raw
+
+    def _take_scales(self, x) -> dict:
+        """The scales of x if it is the pending unscaled product (then no longer pending)."""
+        if self._pending is None:
+            return {}
+        raw, scales = self._pending
+        assert raw is x, "an unscaled product read by another op"
+        self._pending = None
+        return scales
+
+    def resolve(self, x: torch.Tensor) -> torch.Tensor:
+        scales = self._take_scales(x)
+        if not scales:
+            return x
+        return (x * scales["row_scale"][:, None] * scales["col_scale"][None, :]).to(x.dtype)
+
     def _tensorwise(self, x, layer) -> bool:
         """Whether an fp8 layer's product is left unscaled for its reader to scale
         (KernelConfig.fp8_tensorwise_rows): no bias, no adapter delta, not the batch-1 GEMV."""
@@ -228,8 +264,10 @@ class TritonOps(_Compositions):
         return self._norm.rms_norm(x, weight, eps, use_pdl=self._pdl)
 
     def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
-        # in place on both
-        self._norm.fused_add_rms_norm(x, residual, weight, eps, use_pdl=self._pdl)
+        # in place on both; an unscaled residual_linear product scaled as it is read
+        self._norm.fused_add_rms_norm(
+            x, residual, weight, eps, use_pdl=self._pdl, **self._take_scales(x)
+        )
         return x, residual
 
     def rotary_and_write_kv(self, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping):
