@@ -385,3 +385,47 @@ def test_tensorwise_products_scaled_by_their_readers(tiny_llama_dir, monkeypatch
     rowwise = (logprobs["rowwise"] - logprobs["torch"]).abs().mean().item()
     tensorwise = (logprobs["tensorwise"] - logprobs["torch"]).abs().mean().item()
     assert tensorwise <= 1.5 * rowwise + 1e-3
+
+
+def test_scaled_readers_compile_for_hopper():
+    """The readers of an unscaled fp8 product (fp8_tensorwise_rows): SiLU-and-mul and the
+    fused residual add + RMSNorm with their row and column scales, and the rotary kernel
+    without them, compile to sm90 cubin with Triton's own ptxas (no GPU needed; the scaled
+    rotary is in tests/test_fp8_kv_cache.py's compile test)."""
+    import os
+    import subprocess
+    import sys
+
+    kernels = {
+        "activation._silu_and_mul_kernel": (
+            dict(x_ptr="*bf16", out_ptr="*bf16", row_scale_ptr="*fp32", col_scale_ptr="*fp32"),
+            dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True),
+        ),
+        "rms_norm._fused_add_rms_norm_kernel": (
+            dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16", eps="fp32",
+                 row_scale_ptr="*fp32", col_scale_ptr="*fp32"),
+            dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True),
+        ),
+        "rotary._rotary_write_kv_kernel": (
+            dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", positions_ptr="*i64",
+                 cos_sin_cache_ptr="*fp32", key_cache_ptr="*bf16", value_cache_ptr="*bf16",
+                 slot_mapping_ptr="*i64", k_inv_scale="fp32", v_inv_scale="fp32",
+                 row_scale_ptr="*i64", q_col_ptr="*i64", k_col_ptr="*i64", v_col_ptr="*i64"),
+            dict(HALF_DIM=64, BLOCK_HALF=64, BLOCK_Q_HEADS=32, BLOCK_K_HEADS=8, USE_PDL=True,
+                 SCALED=False),
+        ),
+    }  # fmt: skip
+    code = f"""
+import importlib
+from sass_loops import compile_sm90
+for name, (types, constexprs) in {kernels!r}.items():
+    module, fn_name = name.split(".")
+    fn = getattr(importlib.import_module("lantau.kernels." + module), fn_name)
+    print(name, "cubin" in compile_sm90(fn, types, constexprs, num_warps=8, num_stages=3).asm)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "benchmarks")])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [word for name in kernels for word in (name, "True")]
