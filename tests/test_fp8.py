@@ -392,9 +392,7 @@ def test_scaled_readers_compile_for_hopper():
     fused residual add + RMSNorm with their row and column scales, and the rotary kernel
     without them, compile to sm90 cubin with Triton's own ptxas (no GPU needed; the scaled
     rotary is in tests/test_fp8_kv_cache.py's compile test)."""
-    import os
-    import subprocess
-    import sys
+    from tests.compiled import run_compiled
 
     kernels = {
         "activation._silu_and_mul_kernel": (
@@ -423,9 +421,4 @@ for name, (types, constexprs) in {kernels!r}.items():
     fn = getattr(importlib.import_module("lantau.kernels." + module), fn_name)
     print(name, "cubin" in compile_sm90(fn, types, constexprs, num_warps=8, num_stages=3).asm)
 """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "benchmarks")])
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == [word for name in kernels for word in (name, "True")]
+    assert run_compiled(code).split() == [word for name in kernels for word in (name, "True")]

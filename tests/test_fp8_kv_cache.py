@@ -312,16 +312,10 @@ def test_fp8_kernels_compile_for_hopper():
     held the fp8 decode at half the copy rate), but for rope's first tile. And the decode
     loop reads no byte at a time from shared memory (attend_tile_pairs): the SASS, from
     Triton's own nvdisasm."""
-    import subprocess
-    import sys
+    from tests.compiled import run_compiled
 
-    code = f"KERNELS = {_SM90_KERNELS!r}\n{_COMPILE_SM90}"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "benchmarks")])
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:8] == [
+    stdout = run_compiled(f"KERNELS = {_SM90_KERNELS!r}\n{_COMPILE_SM90}")
+    assert stdout.split("\n")[:8] == [
         "rotary._rotary_write_kv_kernel True True False False",
         "rotary._rotary_write_kv_kernel byte loads from shared memory: 0",
         "unified_attention._unified_attention_kernel True False True False",  # reads only

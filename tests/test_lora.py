@@ -501,17 +501,9 @@ def test_lora_kernels_compile_for_hopper():
     the compiler rejects; the shrink's K loop streams its tiles through cp.async, and both
     products run on the tensor cores (HMMA, or Hopper's HGMMA for 64-token tiles, in the
     SASS, from Triton's own nvdisasm)."""
-    import os
-    import subprocess
-    import sys
+    from tests.compiled import run_compiled
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "benchmarks")])
-    done = subprocess.run([sys.executable, "-c", _COMPILE_LORA_SM90], capture_output=True,
-                          text=True, env=env)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:4] == [
+    assert run_compiled(_COMPILE_LORA_SM90).split("\n")[:4] == [
         "shrink 16 True True",
         "expand 16 True",
         "shrink 64 True True",
