@@ -389,9 +389,9 @@ def test_tensorwise_products_scaled_by_their_readers(tiny_llama_dir, monkeypatch
 
 def test_scaled_readers_compile_for_hopper():
     """The readers of an unscaled fp8 product (fp8_tensorwise_rows): SiLU-and-mul and the
-    fused residual add + RMSNorm with their row and column scales, and the rotary kernel
-    without them, compile to sm90 cubin with Triton's own ptxas (no GPU needed; the scaled
-    rotary is in tests/test_fp8_kv_cache.py's compile test)."""
+    fused residual add + RMSNorm with their row and column scales compile to sm90 cubin with
+    Triton's own ptxas (no GPU needed; the rotary kernel's both ways are in
+    tests/test_fp8_kv_cache.py's compile test)."""
     from tests.compiled import run_compiled
 
     kernels = {
@@ -403,14 +403,6 @@ def test_scaled_readers_compile_for_hopper():
             dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16", eps="fp32",
                  row_scale_ptr="*fp32", col_scale_ptr="*fp32"),
             dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True),
-        ),
-        "rotary._rotary_write_kv_kernel": (
-            dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", positions_ptr="*i64",
-                 cos_sin_cache_ptr="*fp32", key_cache_ptr="*bf16", value_cache_ptr="*bf16",
-                 slot_mapping_ptr="*i64", k_inv_scale="fp32", v_inv_scale="fp32",
-                 row_scale_ptr="*i64", q_col_ptr="*i64", k_col_ptr="*i64", v_col_ptr="*i64"),
-            dict(HALF_DIM=64, BLOCK_HALF=64, BLOCK_Q_HEADS=32, BLOCK_K_HEADS=8, USE_PDL=True,
-                 SCALED=False),
         ),
     }  # fmt: skip
     code = f"""

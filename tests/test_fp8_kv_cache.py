@@ -261,9 +261,8 @@ _SM90_KERNELS = {
              cos_sin_cache_ptr="*fp32", key_cache_ptr="*fp8e4nv", value_cache_ptr="*fp8e4nv",
              slot_mapping_ptr="*i64", k_inv_scale="fp32", v_inv_scale="fp32",
              row_scale_ptr="*fp32", q_col_ptr="*fp32", k_col_ptr="*fp32", v_col_ptr="*fp32"),
-        # SCALED: q, k and v from a tensor-wise fp8 product (KernelConfig.fp8_tensorwise_rows)
         dict(HALF_DIM=64, BLOCK_HALF=64, BLOCK_Q_HEADS=32, BLOCK_K_HEADS=8, USE_PDL=True,
-             SCALED=True),
+             SCALED=False),
     ),
     "unified_attention._unified_attention_kernel": (
         dict(q_ptr="*bf16", kv_ptr="*fp8e4nv", out_ptr="*bf16", query_start_loc_ptr="*i32",
@@ -288,6 +287,11 @@ _SM90_KERNELS["decode_attention._paged_decode_split_kernel#large"] = (
     {**_SM90_KERNELS["decode_attention._paged_decode_split_kernel"][1], "ROPE": False,
      "USE_SCRATCH": False, "MERGE_SPLITS": 1},
 )  # fmt: skip
+# q, k and v from a tensor-wise fp8 product, scaled as read (KernelConfig.fp8_tensorwise_rows)
+_SM90_KERNELS["rotary._rotary_write_kv_kernel#scaled"] = (
+    _SM90_KERNELS["rotary._rotary_write_kv_kernel"][0],
+    {**_SM90_KERNELS["rotary._rotary_write_kv_kernel"][1], "SCALED": True},
+)
 _COMPILE_SM90 = """
 import importlib
 from sass_loops import compile_sm90, disassemble
@@ -315,7 +319,7 @@ def test_fp8_kernels_compile_for_hopper():
     from tests.compiled import run_compiled
 
     stdout = run_compiled(f"KERNELS = {_SM90_KERNELS!r}\n{_COMPILE_SM90}")
-    assert stdout.split("\n")[:8] == [
+    assert stdout.split("\n")[:10] == [
         "rotary._rotary_write_kv_kernel True True False False",
         "rotary._rotary_write_kv_kernel byte loads from shared memory: 0",
         "unified_attention._unified_attention_kernel True False True False",  # reads only
@@ -327,6 +331,8 @@ def test_fp8_kernels_compile_for_hopper():
         # the loop's value tiles are read as 16-bit pairs (160 and 128 byte loads before)
         "decode_attention._paged_decode_split_kernel#large True False True False",
         "decode_attention._paged_decode_split_kernel#large byte loads from shared memory: 0",
+        "rotary._rotary_write_kv_kernel#scaled True True False False",
+        "rotary._rotary_write_kv_kernel#scaled byte loads from shared memory: 0",
     ]
 
 

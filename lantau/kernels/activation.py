@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
+from lantau.kernels.fp8_quant import check_unscaled
 from lantau.kernels.pdl import pdl_wait
 
 # widest column tile of one program: past this a row is split over several programs, so that
@@ -66,10 +67,7 @@ def silu_and_mul(
     assert out.dtype == x.dtype, f"out {out.dtype} != x {x.dtype}"
     assert out.device == x.device, f"out on {out.device}, x on {x.device}"
     assert out.stride(1) == 1, f"out rows must be contiguous, strides {out.stride()}"
-    scaled = row_scale is not None
-    assert scaled == (col_scale is not None), "row_scale and col_scale go together"
-    if scaled:
-        check_scales(row_scale, col_scale, num_tokens, 2 * d, x.device)
+    scaled = check_unscaled(row_scale, col_scale, num_tokens, 2 * d, x.device)
     if num_tokens == 0 or d == 0:
         return out
     block_size = min(triton.next_power_of_2(d), MAX_BLOCK_SIZE)
@@ -88,14 +86,3 @@ def silu_and_mul(
         num_warps=min(max(block_size // 256, 1), 16),
     )
     return out
-
-
-def check_scales(
-    row_scale: torch.Tensor, col_scale: torch.Tensor, rows: int, cols: int, device
-) -> None:
-    """An unscaled product's scales: [rows] and [cols] fp32, contiguous, on its device."""
-    for name, t, n in (("row_scale", row_scale, rows), ("col_scale", col_scale, cols)):
-        assert t.shape == (n,) and t.dtype == torch.float32, (
-            f"{name} must be [{n}] fp32, got {tuple(t.shape)} {t.dtype}"
-        )
-        assert t.is_contiguous() and t.device == device, f"{name}: contiguous, on {device}"

@@ -70,3 +70,20 @@ def quantize_rows(x: torch.Tensor, use_pdl: bool = True) -> tuple[torch.Tensor, 
         **pdl.launch_options(x.device, use_pdl),
     )  # fmt: skip
     return q, scale
+
+
+def check_unscaled(
+    row_scale: torch.Tensor | None, col_scale: torch.Tensor | None, rows: int, cols: int, device
+) -> bool:
+    """Whether a kernel's input is an unscaled fp8 product (a tensor-wise GEMM's) to scale as
+    it reads it: its scales given together, [rows] and [cols] fp32, contiguous, on `device`."""
+    scaled = row_scale is not None
+    assert scaled == (col_scale is not None), "row_scale and col_scale go together"
+    if not scaled:
+        return False
+    for name, t, n in (("row_scale", row_scale, rows), ("col_scale", col_scale, cols)):
+        assert t.shape == (n,) and t.dtype == torch.float32, (
+            f"{name} must be [{n}] fp32, got {tuple(t.shape)} {t.dtype}"
+        )
+        assert t.is_contiguous() and t.device == device, f"{name}: contiguous, on {device}"
+    return True

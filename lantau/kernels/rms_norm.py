@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
-from lantau.kernels.activation import check_scales
+from lantau.kernels.fp8_quant import check_unscaled
 from lantau.kernels.pdl import pdl_wait
 
 
@@ -155,10 +155,7 @@ def fused_add_rms_norm(
     _check_rows("residual", residual, weight)
     assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
     num_tokens, hidden_size = x.shape
-    scaled = row_scale is not None
-    assert scaled == (col_scale is not None), "row_scale and col_scale go together"
-    if scaled:
-        check_scales(row_scale, col_scale, num_tokens, hidden_size, x.device)
+    scaled = check_unscaled(row_scale, col_scale, num_tokens, hidden_size, x.device)
     if num_tokens == 0:
         return
     block_size = triton.next_power_of_2(hidden_size)

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
-from lantau.kernels.activation import check_scales
 from lantau.kernels.attention_tiles import FP8_KV_DTYPE, check_kv_scales, quantize_kv
+from lantau.kernels.fp8_quant import check_unscaled
 from lantau.kernels.pdl import pdl_wait
 
 
@@ -51,8 +51,8 @@ def _halves(
 
 
 @triton.jit
-def _rotated(row_ptr, offs, mask, cos, sin, HALF_DIM: tl.constexpr, scale=1.0, col_ptr=None,
-             cols=None, SCALED: tl.constexpr = False):  # fmt: skip
+def _rotated(row_ptr, offs, mask, cos, sin, HALF_DIM: tl.constexpr, scale, col_ptr, cols,
+             SCALED: tl.constexpr):  # fmt: skip
     """Both halves of the heads at `offs` (first-half offsets) from row_ptr, rotated (fp32)."""
     x1, x2 = _halves(row_ptr, offs, mask, scale, col_ptr, cols, HALF_DIM, SCALED)
     return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
@@ -68,9 +68,9 @@ def _rotate_heads(
     HALF_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-    scale=1.0,
-    col_ptr=None,
-    SCALED: tl.constexpr = False,
+    scale,
+    col_ptr,
+    SCALED: tl.constexpr,
 ):
     # row_ptr: one token's first head; cos, sin: [BLOCK_HALF] fp32, 0 past HALF_DIM
     heads = tl.arange(0, BLOCK_HEADS)
@@ -220,11 +220,9 @@ def apply_rotary_and_write_kv(
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "last dim not contiguous"
     assert kv_cache.is_contiguous() and cos_sin_cache.is_contiguous()
     assert positions.is_contiguous() and slot_mapping.is_contiguous()
-    scaled = row_scale is not None
-    assert scaled == (col_scale is not None), "row_scale and col_scale go together"
     q_cols, kv_cols = num_heads * head_dim, k.shape[1] * head_dim
+    scaled = check_unscaled(row_scale, col_scale, num_tokens, q_cols + 2 * kv_cols, q.device)
     if scaled:
-        check_scales(row_scale, col_scale, num_tokens, q_cols + 2 * kv_cols, q.device)
         col_q, col_k, col_v = col_scale.split([q_cols, kv_cols, kv_cols])
     else:  # unused
         row_scale = col_q = col_k = col_v = positions

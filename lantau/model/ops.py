@@ -41,25 +41,47 @@ class _Compositions:
 
     # the step's adapter tokens (lantau/model/lora.py), set by the model for its forward
     lora: LoRABatch | None = None
-    # a residual_linear product left unscaled and its scales, until read (TritonOps)
+    # a residual_linear product left unscaled and its scales, until read
     _pending: tuple[torch.Tensor, dict] | None = None
 
     def lora_on(self, layer) -> bool:
         """Whether this forward adds adapter deltas to `layer`'s products."""
         return self.lora is not None and getattr(layer, "lora_weights", None) is not None
 
+    def product(self, x, layer: torch.nn.Linear) -> tuple[torch.Tensor, dict]:
+        """layer(x) and the scales its reader still applies ({}: none, the product is
+        final). TritonOps leaves fp8 products unscaled under fp8_tensorwise_rows."""
+        return self.linear(x, layer), {}
+
     def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         """silu_and_mul(layer(x)) for layer = gate_up_proj: [num_tokens, intermediate]."""
-        return self.silu_and_mul(self.linear(x, layer))
+        y, scales = self.product(x, layer)
+        return self.silu_and_mul(y, **scales)
 
     def residual_linear(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         """layer(x) for a product that goes into the residual stream (o_proj, down_proj),
-        read next by add_rms_norm or `resolve` (TritonOps may leave it unscaled until then)."""
-        return self.linear(x, layer)
+        read next by add_rms_norm or `resolve`: an unscaled one stays pending until then."""
+        y, scales = self.product(x, layer)
+        if scales:
+            assert self._pending is None, "an unscaled product was never read"
+            self._pending = (y, scales)
+        return y
+
+    def _take_scales(self, x) -> dict:
+        """The scales of x if it is the pending unscaled product (then no longer pending)."""
+        if self._pending is None:
+            return {}
+        y, scales = self._pending
+        assert y is x, "an unscaled product read by another op"
+        self._pending = None
+        return scales
 
     def resolve(self, x: torch.Tensor) -> torch.Tensor:
         """x as a tensor of values (a residual_linear product scaled, where it was not)."""
-        return x
+        scales = self._take_scales(x)
+        if not scales:
+            return x
+        return (x * scales["row_scale"][:, None] * scales["col_scale"][None, :]).to(x.dtype)
 
     def qkv_attention(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
@@ -68,8 +90,11 @@ class _Compositions:
         """The attention's input side, then attention: the qkv projection of x, rotary on q
         and k, k and v to their cache slots: [num_tokens, num_heads, head_dim]."""
         num_kv_heads, head_dim = kv_cache.shape[3:]
-        q, k, v = split_qkv(self.linear(x, layer), num_heads, num_kv_heads, head_dim)
-        q = self.rotary_and_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping)
+        qkv, scales = self.product(x, layer)
+        q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        q = self.rotary_and_write_kv(
+            q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, **scales
+        )
         return self.attention(q, kv_cache, meta, scale)
 
 
@@ -190,35 +215,17 @@ class TritonOps(_Compositions):
         gated = self.config.enable_gemv and self.config.enable_gate_silu and x.shape[0] == 1
         if gated and not self.lora_on(layer):  # an adapter's delta comes before the SiLU
             return self._gemv_linear(x, layer, gated=True)
-        if self._tensorwise(x, layer):
-            raw, scales = self._unscaled_linear(x, layer)
-            return self._act.silu_and_mul(raw, use_pdl=self._pdl, **scales)
         return super().linear_silu_mul(x, layer)
 
-    def residual_linear(self, x, layer) -> torch.Tensor:
-        """With fp8_tensorwise_rows: the raw product, its scales kept for the add_rms_norm
-        (or `resolve`) that reads it next."""
+    def product(self, x, layer) -> tuple[torch.Tensor, dict]:
+        """With fp8_tensorwise_rows, an fp8 layer's raw tensor-wise product of x (quantized
+        by token) and its e4m3 weight, and the scales its reader applies (row_scale,
+        col_scale)."""
         if not self._tensorwise(x, layer):
-            return self.linear(x, layer)
-        assert self._pending is None, "an unscaled product was never read"
-        raw, scales = self._unscaled_linear(x, layer)
-        self._pending = (raw, scales)
-        return raw
-
-    def _take_scales(self, x) -> dict:
-        """The scales of x if it is the pending unscaled product (then no longer pending)."""
-        if self._pending is None:
-            return {}
-        raw, scales = self._pending
-        assert raw is x, "an unscaled product read by another op"
-        self._pending = None
-        return scales
-
-    def resolve(self, x: torch.Tensor) -> torch.Tensor:
-        scales = self._take_scales(x)
-        if not scales:
-            return x
-        return (x * scales["row_scale"][:, None] * scales["col_scale"][None, :]).to(x.dtype)
+            return self.linear(x, layer), {}
+        xq, xs = self._fp8_quant.quantize_rows(x, use_pdl=self._pdl)
+        raw = fp8.unscaled_mm(xq, layer.weight, x.dtype)
+        return raw, dict(row_scale=xs, col_scale=layer.weight_scale)
 
     def _tensorwise(self, x, layer) -> bool:
         """Whether an fp8 layer's product is left unscaled for its reader to scale
@@ -230,13 +237,6 @@ class TritonOps(_Compositions):
             and not self.lora_on(layer) and not (self.config.enable_gemv and rows == 1)
         )  # fmt: skip
 
-    def _unscaled_linear(self, x, layer) -> tuple[torch.Tensor, dict]:
-        """The raw tensor-wise product of x (quantized by token) and the layer's e4m3 weight,
-        and the scales its reader applies (row_scale, col_scale)."""
-        xq, xs = self._fp8_quant.quantize_rows(x, use_pdl=self._pdl)
-        raw = fp8.unscaled_mm(xq, layer.weight, x.dtype)
-        return raw, dict(row_scale=xs, col_scale=layer.weight_scale)
-
     def qkv_attention(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
         meta: AttentionMetadata, scale: float,
@@ -244,14 +244,6 @@ class TritonOps(_Compositions):
         """Small decode batches: rotary and the KV write inside the attention launch, one
         launch fewer a layer."""
         if not (meta.is_decode_only and x.shape[0] <= self.config.attn_small_rows):
-            if self._tensorwise(x, layer):  # the rotary kernel scales q, k and v
-                raw, scales = self._unscaled_linear(x, layer)
-                q, k, v = split_qkv(raw, num_heads, *kv_cache.shape[3:])
-                self._rope.apply_rotary_and_write_kv(
-                    q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping,
-                    use_pdl=self._pdl, **scales,
-                )  # fmt: skip
-                return self.attention(q, kv_cache, meta, scale)
             return super().qkv_attention(
                 x, layer, num_heads, positions, cos_sin_cache, kv_cache, meta, scale
             )
@@ -270,15 +262,19 @@ class TritonOps(_Compositions):
         )
         return x, residual
 
-    def rotary_and_write_kv(self, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping):
-        """One kernel: q rotated in place, rotated k and v stored to their cache slots."""
+    def rotary_and_write_kv(
+        self, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, **scales
+    ) -> torch.Tensor:
+        """One kernel: q rotated in place, rotated k and v stored to their cache slots (an
+        unscaled product's `scales` applied as they are read)."""
         self._rope.apply_rotary_and_write_kv(
-            q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, use_pdl=self._pdl
-        )
+            q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, use_pdl=self._pdl,
+            **scales,
+        )  # fmt: skip
         return q
 
-    def silu_and_mul(self, x) -> torch.Tensor:
-        return self._act.silu_and_mul(x, use_pdl=self._pdl)
+    def silu_and_mul(self, x, **scales) -> torch.Tensor:
+        return self._act.silu_and_mul(x, use_pdl=self._pdl, **scales)
 
     def _decode_attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, rope=None):
         """Split-context decode attention under this config: a small batch (`rope`, see
