@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import time
 import traceback
@@ -260,8 +261,18 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
     w = make_workload(spec, llm.config.model_config.vocab_size, num_prompts)
     if num_prompts and num_prompts < default_n:
         print(f"{label}: {num_prompts} prompts, trimmed from {default_n}", flush=True)
-    stats = run_lantau(llm, w).summary()
+    records: list[dict] = []
+    core = llm.engine.core
+
+    def record_steps():
+        core.on_step = records.append
+
+    try:
+        stats = run_lantau(llm, w, on_start=record_steps).summary()
+    finally:
+        core.on_step = None
     stats["num_prompts_default"] = default_n
+    stats["steps"] = step_times(records)
     RESULTS[label] = stats
     print(label, json.dumps(stats), flush=True)
     trimmed = f" (of {default_n})" if w.num_prompts < default_n else ""
@@ -274,10 +285,35 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
             f"{label} x{w.num_prompts}{trimmed}",
             fig,
             f"target {TARGETS.get(label.split()[0], '-')}; gpu {stats['gpu_util_pct']}%, "
-            f"p95 e2e {stats['e2e_p95_s']} s, at {elapsed():.0f} s",
+            f"p95 e2e {stats['e2e_p95_s']} s, at {elapsed():.0f} s; steps "
+            + ", ".join(
+                f"{kind} {k['steps']} x {k['ms']} ms ({k['reqs']} reqs, {k['tokens']} tokens)"
+                for kind, k in stats["steps"].items()
+            ),
         )
     )
     return stats
+
+
+def step_times(records: list[dict]) -> dict:
+    """The run's steps by kind (decode: one token a request; mixed: prompt tokens in it): count,
+    wall seconds, mean ms, requests and tokens. A step's time is the gap between the launches
+    after it: with overlapped steps the call that launches step i + 1 first waits for step i - 1
+    (offline runs are device-bound, so the gaps are the device's step times, one step late)."""
+    from lantau.bench.step_log import step_kind
+
+    kinds: dict[str, dict] = {}
+    for before, (a, b) in zip(records, itertools.pairwise(records[1:]), strict=False):
+        k = kinds.setdefault(step_kind(before), {"steps": 0, "s": 0.0, "reqs": 0, "tokens": 0})
+        k["steps"] += 1
+        k["s"] += b["t"] - a["t"]
+        k["reqs"] += before["reqs"]
+        k["tokens"] += before["tokens"]
+    for k in kinds.values():
+        n = k["steps"]
+        k.update(ms=round(1e3 * k["s"] / n, 2), s=round(k["s"], 2), reqs=k["reqs"] // n)
+        k["tokens"] //= n
+    return kinds
 
 
 def reference_inputs(vocab: int):
