@@ -8,11 +8,6 @@ Prints a short table last and writes everything as JSON to $OUT/gpu_fp8_kv.json.
 
     PYTHONPATH=. python3 benchmarks/gpu_fp8_kv.py [--w3-prompts 256] [--skip engines]
         [--decode-sizes 384x192,256x2048] [--fp8-tiles '128,4,1;64,4,1'] [--num-splits 1,2,4]
-        [--class-keys 512,1024]
-
---class-keys K: also the pair of launches KernelConfig(attn_class_keys=K) makes of a large
-decode batch (contexts of at most K keys in attn_class_tile's launch, the rest in the default
-tile's; one of them finds no request of its class here, every context being the same).
 
 Each stage runs on its own: a failure is reported and the next stage still runs. The engines
 take token-id prompts and detokenize nothing: no tokenizer (or `.gl`) needed.
@@ -187,26 +182,16 @@ def check_kv_writes(dev, dtype, scale) -> dict:
 # and 64-key tiles (half the bytes of a bf16 tile, faster at short contexts on an H100)
 FP8_TILES = ((128, 4, 2), (64, 4, 2), (64, 2, 2))
 SPLITS: tuple[int, ...] = ()  # --num-splits: the fp8 cache's default tile at these split counts
-CLASS_KEYS: tuple[int, ...] = ()  # --class-keys: attn_class_keys values timed on the fp8 cache
 
 
-def time_decode(da, args, config=None, num_splits=None, class_keys=0) -> float:
-    """Median microseconds of one paged_decode_attention launch; with class_keys, of the two
-    that TritonOps makes under KernelConfig(attn_class_keys=class_keys)."""
+def time_decode(da, args, config=None, num_splits=None) -> float:
+    """Median microseconds of one paged_decode_attention launch."""
     import triton.testing
-
-    from lantau.config import KernelConfig
 
     def launch():
         return da.paged_decode_attention(*args, config=config, num_splits=num_splits)
 
-    def launches():
-        tile = KernelConfig().attn_class_tile
-        da.paged_decode_attention(*args, config=tile, seq_range=(-1, class_keys))
-        da.paged_decode_attention(*args, seq_range=(class_keys, da.ALL_KEYS))
-
-    fn = launches if class_keys else launch
-    return round(1000 * triton.testing.do_bench(fn, return_mode="median"), 1)
+    return round(1000 * triton.testing.do_bench(launch, return_mode="median"), 1)
 
 
 @stage("decode-timing")
@@ -239,7 +224,6 @@ def decode_timing(sizes: list[tuple[int, int]]) -> None:
         args = (q, caches["fp8"], o, lens, tables, ctx, scale)
         row["fp8_default_splits"] = da.default_num_splits(num_reqs, HK, ctx, q.device)
         row["fp8_splits_us"] = {n: time_decode(da, args, num_splits=n) for n in SPLITS}
-        row["fp8_classes_us"] = {k: time_decode(da, args, class_keys=k) for k in CLASS_KEYS}
         row["fp8_best_tile"], row["fp8_best_tile_us"] = list(best), tiles[best]
         out[f"{num_reqs}x{ctx}"] = row
         print(num_reqs, ctx, row, flush=True)
@@ -249,9 +233,7 @@ def decode_timing(sizes: list[tuple[int, int]]) -> None:
                 f"fp8 {row['fp8_us']} us, bf16 {row['bf16_us']} us ({row['speedup']}x)",
                 f"KV read {row['fp8_tb_s']} / {row['bf16_tb_s']} TB/s; fp8 tile {best}: "
                 f"{tiles[best]} us; splits (default {row['fp8_default_splits']}) "
-                + ", ".join(f"{n}: {us}" for n, us in row["fp8_splits_us"].items())
-                + "; classes "
-                + ", ".join(f"{k}: {us}" for k, us in row["fp8_classes_us"].items()),
+                + ", ".join(f"{n}: {us}" for n, us in row["fp8_splits_us"].items()),
             )
         )
         del kv, caches
@@ -331,14 +313,10 @@ def main() -> None:
     parser.add_argument(
         "--num-splits", default="", help="split counts timed on the fp8 cache, e.g. 1,2,4"
     )
-    parser.add_argument(
-        "--class-keys", default="", help="attn_class_keys values timed on the fp8 cache"
-    )
     parser.add_argument("--skip", default="", help="comma-separated: kernels, decode, engines")
     args = parser.parse_args()
-    global FP8_TILES, SPLITS, CLASS_KEYS
+    global FP8_TILES, SPLITS
     SPLITS = tuple(int(n) for n in args.num_splits.split(",") if n)
-    CLASS_KEYS = tuple(int(k) for k in args.class_keys.split(",") if k)
     if args.fp8_tiles:
         FP8_TILES = tuple(tuple(int(x) for x in t.split(",")) for t in args.fp8_tiles.split(";"))
     skip = set(args.skip.split(","))

@@ -240,18 +240,15 @@ class KernelConfig:
     attn_small_merge: AttnMerge = AttnMerge.UNROLLED
     # decode attention's splits of each context (None: paged_decode_attention's heuristic)
     attn_num_splits: int | None = None
-    # batches above attn_small_rows: contexts of at most attn_class_keys keys in a launch of
-    # attn_class_tile, the longer ones in the default tile's (0: one launch). A short context
-    # wastes most of a 128-key tile (H200, fp8 cache, 384 x 192 keys: 112 us a layer with the
-    # default tile, 86 with (64, 4, 2), which loses at 1,024 keys and more; RESULTS.md)
-    attn_class_keys: int = 0
-    attn_class_tile: Tile = (64, 4, 2)
     # fp8 projections of lo..hi rows: a tensor-wise _scaled_mm (the raw product), its row and
     # column scales applied by the kernel that reads it (qkv: rotary and the KV write;
     # gate_up: SiLU-and-mul; o_proj, down_proj: the residual add + norm, without tensor
     # parallelism) ((0, 0): never). cuBLAS's tensor-wise kernels beat its row-wise ones at
     # 256-384 rows (H200: 8B qkv 1,202 vs 836 TFLOP/s, 70B down 1,394 vs 1,090 at 384 rows)
     fp8_tensorwise_rows: tuple[int, int] = (0, 0)
+    # the input of an fp8 projection (qkv, gate_up, down) quantized by row by the kernel that
+    # writes it (the RMSNorms, SiLU-and-mul) instead of in a launch of its own
+    fuse_fp8_quant: bool = True
     # steps of at most this many tokens add LoRA deltas with lantau/kernels/lora.py (a step
     # without adapter rows costs its launches only), larger ones with the masked GEMMs of
     # lantau.model.lora.add_lora, faster there when rows use adapters (H100, 4 slots of rank

@@ -50,9 +50,9 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
     }
     add_rms_norm = ops.add_rms_norm
 
-    def counting_add_rms_norm(x, residual, weight, eps):
+    def counting_add_rms_norm(x, residual, weight, eps, next_layer=None):
         norms.append(id(weight) in layer_norms)
-        return add_rms_norm(x, residual, weight, eps)
+        return add_rms_norm(x, residual, weight, eps, next_layer)
 
     ops.add_rms_norm = counting_add_rms_norm
 

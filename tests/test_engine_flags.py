@@ -83,11 +83,11 @@ def test_kernels_from_a_dict_as_json_gives_them():
 
     config, _ = build_engine_config(
         "random:tiny", device="cpu",
-        kernels={"attn_class_keys": 512, "attn_class_tile": [64, 2, 2], "attn_merge": "unrolled",
-                 "gemv_tiles": [[[6144, 4096], [8, 512, 4, 3]]]},
+        kernels={"fp8_tensorwise_rows": [128, 768], "attn_small_tile": [64, 2, 2],
+                 "attn_merge": "unrolled", "gemv_tiles": [[[6144, 4096], [8, 512, 4, 3]]]},
     )  # fmt: skip
     kernels = config.kernels
-    assert kernels.attn_class_keys == 512 and kernels.attn_class_tile == (64, 2, 2)
+    assert kernels.fp8_tensorwise_rows == (128, 768) and kernels.attn_small_tile == (64, 2, 2)
     assert kernels.attn_merge is AttnMerge.UNROLLED
     assert kernels.gemv_tiles == (((6144, 4096), (8, 512, 4, 3)),)
     assert hash(kernels)  # frozen, hashable: as a KernelConfig built in Python

@@ -63,6 +63,49 @@ def test_quantize_rows_kernel_matches_reference(dtype, m, k):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.usefixtures("interpreter_fp8_cast")
+@pytest.mark.parametrize(("m", "k"), [(3, 96), (2, 5000)])
+def test_kernels_quantize_their_output_as_written(m, k):
+    """RMSNorm, the fused residual add + RMSNorm (also of an unscaled product) and SiLU-and-mul
+    with `quant`: their outputs as without it, and the quantized rows' e4m3 bits and scales
+    those of quantize_rows on that output (K past one tile: 5,000 > 4,096 loops twice in
+    SiLU-and-mul's second pass)."""
+    from lantau.kernels import activation, fp8_quant, rms_norm
+
+    gen = torch.Generator().manual_seed(m + k)
+    x = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16)
+    residual = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    weight = (1 + torch.randn(k, generator=gen) / 4).to(torch.bfloat16)
+    row_scale, col_scale = torch.rand(m, generator=gen) + 0.5, torch.rand(k, generator=gen) + 0.5
+
+    def check(out, quant):
+        q_ref, s_ref = quantize_rows(out)
+        torch.testing.assert_close(quant[1], s_ref, rtol=0, atol=0)
+        assert torch.equal(quant[0].view(torch.uint8), q_ref.view(torch.uint8))
+
+    quant = fp8_quant.empty_quantized(m, k, "cpu")
+    out = rms_norm.rms_norm(x, weight, 1e-5, quant=quant)
+    assert torch.equal(out, rms_norm.rms_norm(x, weight, 1e-5))
+    check(out, quant)
+    for scales in ({}, dict(row_scale=row_scale, col_scale=col_scale)):
+        plain, plain_res = x.clone(), residual.clone()
+        rms_norm.fused_add_rms_norm(plain, plain_res, weight, 1e-5, **scales)
+        fused, fused_res = x.clone(), residual.clone()
+        quant = fp8_quant.empty_quantized(m, k, "cpu")
+        rms_norm.fused_add_rms_norm(fused, fused_res, weight, 1e-5, **scales, quant=quant)
+        assert torch.equal(fused, plain) and torch.equal(fused_res, plain_res)
+        check(fused, quant)
+    gate_up = (torch.randn(m, 2 * k, generator=gen) * 2).to(torch.bfloat16)
+    col_scale2 = torch.rand(2 * k, generator=gen) + 0.5
+    for scales in ({}, dict(row_scale=row_scale, col_scale=col_scale2)):
+        quant = fp8_quant.empty_quantized(m, k, "cpu")
+        out = activation.silu_and_mul(gate_up, **scales, quant=quant)
+        assert torch.equal(out, activation.silu_and_mul(gate_up, **scales))
+        check(out, quant)
+    with pytest.raises(AssertionError, match="quantized rows must be"):
+        rms_norm.rms_norm(x, weight, 1e-5, quant=fp8_quant.empty_quantized(m, k + 1, "cpu"))
+
+
 def make_fp8_layer(
     n: int, k: int, bias: bool, gen: torch.Generator
 ) -> tuple[Fp8Linear, torch.Tensor]:
@@ -387,22 +430,77 @@ def test_tensorwise_products_scaled_by_their_readers(tiny_llama_dir, monkeypatch
     assert tensorwise <= 1.5 * rowwise + 1e-3
 
 
+@pytest.mark.usefixtures("interpreter_bf16_dot", "interpreter_fp8_cast")
+def test_projection_inputs_quantized_by_their_writers(tiny_llama_dir, monkeypatch):
+    """KernelConfig.fuse_fp8_quant (the default): the inputs of qkv, gate_up and down_proj
+    come quantized from the RMSNorms and SiLU-and-mul, so quantize_rows runs for o_proj's
+    alone (steps of more than one row; batch-1 decode reads bf16 through the GEMV), and the
+    tokens and the prompts' logprobs are those of the launch-a-projection path exactly (the
+    same e4m3 bits), with the tensor-wise products too."""
+    from lantau.config import KernelConfig
+    from lantau.kernels import fp8_quant
+
+    widths = []
+    original = fp8_quant.quantize_rows
+
+    def spying(x, use_pdl=True):
+        widths.append(x.shape[1])
+        return original(x, use_pdl)
+
+    monkeypatch.setattr(fp8_quant, "quantize_rows", spying)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (11, 6)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    for rows in ((0, 0), (2, 1 << 20)):
+        results, counts = {}, {}
+        for fuse in (False, True):
+            widths.clear()
+            llm = LLM(
+                str(tiny_llama_dir), dtype="fp8", device="cpu", num_kv_blocks=64,
+                attention_backend="triton",
+                kernels=KernelConfig(fuse_fp8_quant=fuse, fp8_tensorwise_rows=rows),
+            )  # fmt: skip
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            results[fuse] = [
+                (o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(
+                    o.prompt_logprobs[1:], p[1:], strict=True)])
+                for o, p in zip(outputs, prompts, strict=True)
+            ]  # fmt: skip
+            config = llm.engine.core.runner.model.config
+            counts[fuse] = len(widths)
+        q_size = config.num_attention_heads * config.head_dim
+        assert set(widths) == {q_size}  # the fused run's: o_proj's input
+        assert counts[False] == 4 * counts[True] > 0  # 4 projections a layer, 1 left
+        assert results[True] == results[False]
+
+
 def test_scaled_readers_compile_for_hopper():
     """The readers of an unscaled fp8 product (fp8_tensorwise_rows): SiLU-and-mul and the
-    fused residual add + RMSNorm with their row and column scales compile to sm90 cubin with
-    Triton's own ptxas (no GPU needed; the rotary kernel's both ways are in
-    tests/test_fp8_kv_cache.py's compile test)."""
+    fused residual add + RMSNorm with their row and column scales, and the writers of an fp8
+    projection's quantized input (fuse_fp8_quant: both RMSNorms and SiLU-and-mul with
+    `quant`), compile to sm90 cubin with Triton's own ptxas (no GPU needed; the rotary
+    kernel's both ways are in tests/test_fp8_kv_cache.py's compile test)."""
     from tests.compiled import run_compiled
 
+    quant = dict(q_ptr="*fp8e4nv", q_scale_ptr="*fp32")
     kernels = {
         "activation._silu_and_mul_kernel": (
             dict(x_ptr="*bf16", out_ptr="*bf16", row_scale_ptr="*fp32", col_scale_ptr="*fp32"),
             dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True),
         ),
+        "activation._silu_and_mul_quant_kernel": (
+            dict(x_ptr="*bf16", out_ptr="*bf16", row_scale_ptr="*fp32", col_scale_ptr="*fp32",
+                 **quant),
+            dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=False),
+        ),
         "rms_norm._fused_add_rms_norm_kernel": (
             dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16", eps="fp32",
-                 row_scale_ptr="*fp32", col_scale_ptr="*fp32"),
-            dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True),
+                 row_scale_ptr="*fp32", col_scale_ptr="*fp32", **quant),
+            dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True, QUANT=True),
+        ),
+        "rms_norm._rms_norm_kernel": (
+            dict(x_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", eps="fp32", **quant),
+            dict(BLOCK_SIZE=4096, USE_PDL=True, QUANT=True),
         ),
     }  # fmt: skip
     code = f"""

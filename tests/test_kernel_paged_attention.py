@@ -237,35 +237,6 @@ def test_in_launch_merge_folds_chunks_of_splits(monkeypatch, num_heads, num_kv_h
         torch.testing.assert_close(out, outs[AttnMerge.CHUNKED], rtol=1e-5, atol=1e-6)
 
 
-def test_length_classes_split_a_batch_between_two_launches():
-    """KernelConfig.attn_class_keys: contexts of at most 64 keys in a launch of one tile, the
-    longer ones in another's; each launch leaves the other's rows as they were, a padding row
-    (seq_len 0) is the short launch's, and together they give the one launch's output."""
-    requests = [(5, 1), (64, 1), (65, 1), (300, 1), (1, 1), (129, 1)]
-    b = make_batch(requests, 6, 2, 32, torch.float32, seed=8)
-    b["seq_lens"][4] = 0
-    ref = reference.paged_decode_attention_ref(
-        b["q"], b["kv_cache"], b["seq_lens"], b["block_tables"], b["scale"]
-    )
-    args = (b["q"], b["kv_cache"], None, b["seq_lens"], b["block_tables"], b["max_seq_len"])
-    for num_splits in (1, 4):
-        out = torch.full_like(b["q"], float("nan"))
-        da.paged_decode_attention(
-            *args[:2], out, *args[3:], b["scale"], num_splits=num_splits, config=(16, 4, 2),
-            seq_range=(-1, 64),
-        )  # fmt: skip
-        short = b["seq_lens"] <= 64
-        assert out[~short].isnan().all() and not out[short].isnan().any()
-        da.paged_decode_attention(
-            *args[:2], out, *args[3:], b["scale"], num_splits=num_splits,
-            seq_range=(64, da.ALL_KEYS),
-        )  # fmt: skip
-        assert out[4].eq(0).all()
-        assert_matches(out, ref, torch.float32)
-        torch.testing.assert_close(out, run_decode(b, num_splits), rtol=1e-5, atol=1e-6)
-        assert not da._counters or not da._counters[b["q"].device].any()
-
-
 def test_default_merge_chunk_caps_the_partials_held():
     assert da.default_merge_chunk(16, 4, 128) == 16  # llama3-8b: 16 x 4 x 128 = 8,192 values
     assert da.default_merge_chunk(64, 4, 128) == 16

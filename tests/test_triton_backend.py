@@ -107,37 +107,3 @@ def _assert_same_tokens_and_logits(results: dict) -> None:
         for key, ref in ref_step.items():
             err = ((out_step[key] - ref).norm() / ref.norm()).item()
             assert err < 1e-5, (key, err)
-
-
-@pytest.mark.parametrize("class_keys", [20, 64])
-def test_decode_batches_split_by_context_length(tiny_llama_dir, monkeypatch, class_keys):
-    """KernelConfig.attn_class_keys: a decode batch above attn_small_rows takes two attention
-    launches, contexts of at most class_keys keys in attn_class_tile's and the longer ones in
-    the default tile's, with the torch backend's tokens and logits. Here the three requests'
-    contexts run from 4 to 31 keys: at 20 every step holds both kinds, at 64 none is longer
-    (the step's longest context, known eagerly) and the short launch is the only one. The
-    batch-1 steps (attn_small_rows 1) keep their single launch with rotary fused."""
-    from lantau.kernels import decode_attention
-
-    launches = []
-    original_attn = decode_attention.paged_decode_attention
-
-    def counting_attn(q, *args, **kwargs):
-        launches.append((q.shape[0], kwargs.get("seq_range"), kwargs.get("config")))
-        return original_attn(q, *args, **kwargs)
-
-    monkeypatch.setattr(decode_attention, "paged_decode_attention", counting_attn)
-    kernels = KernelConfig(
-        attn_small_rows=1, attn_class_keys=class_keys, attn_class_tile=(16, 4, 2)
-    )
-    results = _small_batches_both_backends(tiny_llama_dir, kernels, seed=6)
-    everything = (-1, decode_attention.ALL_KEYS)
-    ones = {r for r in launches if r[0] == 1}  # fused with rotary, alone in their steps
-    assert ones and {r[1] for r in ones} == {everything}
-    assert {r[2] for r in ones} <= {kernels.attn_small_tile, kernels.attn_short_tile}
-    three = [r for r in launches if r[0] == 3]
-    short, long = (3, (-1, class_keys), (16, 4, 2)), (3, (class_keys, everything[1]), None)
-    steps = three.count(short)
-    assert steps > 0 and three.count(long) == (steps if class_keys == 20 else 0)
-    assert len(three) == steps + three.count(long)
-    _assert_same_tokens_and_logits(results)

@@ -1,4 +1,6 @@
-"""SiLU-and-multiply: the activation between LlamaMLP's fused gate_up_proj and down_proj."""
+"""SiLU-and-multiply: the activation between LlamaMLP's fused gate_up_proj and down_proj;
+optionally quantized by row as written, for an fp8 down_proj (fp8_quant.quantize_rows' bits,
+without its launch)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,24 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
-from lantau.kernels.fp8_quant import check_unscaled
+from lantau.kernels.fp8_quant import MAX_BLOCK_K, check_quantized, check_unscaled
 from lantau.kernels.pdl import pdl_wait
 
 # widest column tile of one program: past this a row is split over several programs, so that
 # decode batches of a few tokens still spread a wide MLP (d = 14336) over many SMs
 MAX_BLOCK_SIZE = 4096
+
+
+@triton.jit
+def _silu_mul(x_row, cols, mask, d, row, row_scale_ptr, col_scale_ptr, SCALED: tl.constexpr):
+    """silu(gate) * up of one row's columns `cols`, in fp32."""
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        rs = tl.load(row_scale_ptr + row)
+        gate *= rs * tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+        up *= rs * tl.load(col_scale_ptr + d + cols, mask=mask, other=0.0)
+    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
@@ -32,15 +46,50 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = cols < d
-    x_row = x_ptr + row * x_row_stride
-    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
-    if SCALED:
-        rs = tl.load(row_scale_ptr + row)
-        gate *= rs * tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
-        up *= rs * tl.load(col_scale_ptr + d + cols, mask=mask, other=0.0)
-    out = gate * tl.sigmoid(gate) * up
+    out = _silu_mul(x_ptr + row * x_row_stride, cols, mask, d, row, row_scale_ptr, col_scale_ptr,
+                    SCALED)  # fmt: skip
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr,
+    out_ptr,
+    q_ptr,  # [num_tokens, d] e4m3
+    q_scale_ptr,  # [num_tokens] fp32
+    x_row_stride,
+    out_row_stride,
+    d,
+    row_scale_ptr,  # [num_tokens] fp32, when SCALED
+    col_scale_ptr,  # [2 * d] fp32, when SCALED
+    BLOCK_SIZE: tl.constexpr,  # columns a pass holds at once
+    USE_PDL: tl.constexpr,
+    SCALED: tl.constexpr,
+):
+    """One program a row: the first pass stores the activation in out's dtype and finds its
+    largest magnitude, the second reads the stored row back (L1 / L2) and writes it in e4m3,
+    as quantize_rows would from out."""
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_SIZE)
+    x_row, out_row = x_ptr + row * x_row_stride, out_ptr + row * out_row_stride
+    out_ty = out_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK_SIZE], tl.float32)
+    for k in range(0, d, BLOCK_SIZE):
+        cols = k + offs
+        mask = cols < d
+        out = _silu_mul(x_row, cols, mask, d, row, row_scale_ptr, col_scale_ptr, SCALED).to(out_ty)
+        tl.store(out_row + cols, out, mask=mask)
+        amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    tl.store(q_scale_ptr + row, scale)
+    tl.debug_barrier()  # the row's stores seen by every thread of the program
+    for k in range(0, d, BLOCK_SIZE):
+        cols = k + offs
+        mask = cols < d
+        y = tl.load(out_row + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
+        tl.store(q_ptr + row * d + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(
@@ -49,13 +98,16 @@ def silu_and_mul(
     use_pdl: bool = True,
     row_scale: torch.Tensor | None = None,
     col_scale: torch.Tensor | None = None,
+    quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up], in fp32, rounded once to x's dtype.
 
     x: [num_tokens, 2 * d], any row stride, last dim contiguous; out: [num_tokens, d] (new if
     None), any row stride, last dim contiguous. row_scale [num_tokens] and col_scale [2 * d]
     (fp32, together): x is a product still to be scaled (a tensor-wise fp8 GEMM's), each
-    value by its row's and its column's scale before the activation.
+    value by its row's and its column's scale before the activation. quant (buffers of
+    fp8_quant.empty_quantized): out's rows quantized into them too, as quantize_rows(out), in
+    the same launch (a program a row).
     """
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [num_tokens, 2 * d], {tuple(x.shape)}"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
@@ -68,7 +120,18 @@ def silu_and_mul(
     assert out.device == x.device, f"out on {out.device}, x on {x.device}"
     assert out.stride(1) == 1, f"out rows must be contiguous, strides {out.stride()}"
     scaled = check_unscaled(row_scale, col_scale, num_tokens, 2 * d, x.device)
+    if quant is not None:
+        check_quantized(quant, num_tokens, d, x.device)
     if num_tokens == 0 or d == 0:
+        return out
+    scales = (row_scale, col_scale) if scaled else (x, x)
+    if quant is not None:
+        block_size = min(triton.next_power_of_2(d), MAX_BLOCK_K)
+        _silu_and_mul_quant_kernel[(num_tokens,)](
+            x, out, *quant, x.stride(0), out.stride(0), d, *scales, BLOCK_SIZE=block_size,
+            SCALED=scaled, **pdl.launch_options(x.device, use_pdl),
+            num_warps=min(max(block_size // 512, 1), 8),  # as quantize_rows
+        )  # fmt: skip
         return out
     block_size = min(triton.next_power_of_2(d), MAX_BLOCK_SIZE)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block_size))](
@@ -77,8 +140,7 @@ def silu_and_mul(
         x.stride(0),
         out.stride(0),
         d,
-        row_scale if scaled else x,
-        col_scale if scaled else x,
+        *scales,
         BLOCK_SIZE=block_size,
         SCALED=scaled,
         **pdl.launch_options(x.device, use_pdl),

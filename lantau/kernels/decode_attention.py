@@ -194,7 +194,7 @@ def _store_split_and_merge(
         tl.store(out_ptr + g_offs, merged.to(out_ty), (offs_g < GROUP)[:, None])
 
 
-@triton.jit(do_not_specialize=["class_lo", "class_hi"])
+@triton.jit
 def _paged_decode_split_kernel(
     q_ptr,  # [num_reqs, num_heads, HEAD_DIM]
     kv_ptr,  # [2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
@@ -218,8 +218,6 @@ def _paged_decode_split_kernel(
     stride_kv_slot,
     stride_kv_head,
     stride_bt_req,
-    class_lo,  # the launch serves requests of class_lo < seq_len <= class_hi; others exit
-    class_hi,
     GROUP: tl.constexpr,  # query heads per kv head
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -257,8 +255,6 @@ def _paged_decode_split_kernel(
     req = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    if (seq_len <= class_lo) | (seq_len > class_hi):
-        return  # another launch's length class (never with ROPE: one launch serves all)
     split_len = _split_len(seq_len, num_splits, BLOCK_N)
     key_start = split * split_len
     key_end = tl.minimum(key_start + split_len, seq_len)
@@ -440,7 +436,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-ALL_KEYS = (1 << 31) - 1  # seq_range's default upper end: every context
 _MAX_COUNTERS = 1 << 20  # (request, kv head) pairs of one decode launch
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -534,7 +529,6 @@ def paged_decode_attention(
     use_pdl: bool = True,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    seq_range: tuple[int, int] = (-1, ALL_KEYS),
 ) -> None:
     """Attention of one query per request over its whole cached context, into out.
 
@@ -553,9 +547,6 @@ def paged_decode_attention(
     kernels write no cache slot but each request's last key, on a stream where the step began
     with a host-to-device copy (which waits for all earlier kernels), as the runner's steps
     do: then the older slots, seq_lens and block_tables are final before the launch.
-    seq_range = (lo, hi): only requests with lo < seq_len <= hi (rows of other requests are
-    left as they are), so that launches with different tiles can share a batch by context
-    length (KernelConfig.attn_class_keys); not with rope.
     """
     # q, out: [num_reqs, num_heads, head_dim]
     # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -578,7 +569,6 @@ def paged_decode_attention(
             stride_v_req=rope.v.stride(0), stride_v_head=rope.v.stride(1),
             k_inv_scale=1.0 / k_scale, v_inv_scale=1.0 / v_scale,
         )  # fmt: skip
-    assert rope is None or seq_range == (-1, ALL_KEYS), "rope: one launch serves every row"
     if num_reqs == 0:
         return
     group = num_heads // num_kv_heads
@@ -599,7 +589,6 @@ def paged_decode_attention(
         q, kv_cache, out, part_out, part_lse, counters, seq_lens, block_tables, num_heads,
         num_kv_heads, num_splits, scale * LOG2E * k_scale, v_scale, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), *kv_strides(kv_cache), block_tables.stride(0),
-        *seq_range,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,

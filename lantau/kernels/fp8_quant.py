@@ -52,6 +52,37 @@ def _quantize_rows_kernel(
         tl.store(q_ptr + row * K + k + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def quantize_row(y, q_row_ptr, scale_ptr, offs, mask):
+    """A whole row held in registers (y, fp32, [BLOCK] with 0 in its padding lanes) stored as
+    quantize_rows stores it: its scale to scale_ptr, y / scale in e4m3 to q_row_ptr + offs.
+    For kernels that produce a row and hand it to an fp8 projection (quantized as written,
+    one launch fewer)."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+    tl.store(scale_ptr, scale)
+    q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
+    tl.store(q_row_ptr + offs, q.to(q_row_ptr.dtype.element_ty), mask=mask)
+
+
+def empty_quantized(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for `rows` quantized rows: (q [rows, cols] e4m3, scale [rows] fp32)."""
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device)
+    return q, torch.empty(rows, dtype=torch.float32, device=device)
+
+
+def check_quantized(quant: tuple[torch.Tensor, torch.Tensor], rows: int, cols: int, device):
+    """A kernel's quantized output buffers: (q [rows, cols] e4m3, contiguous; scale [rows]
+    fp32), as empty_quantized makes them."""
+    q, scale = quant
+    assert q.shape == (rows, cols) and q.dtype == torch.float8_e4m3fn and q.is_contiguous(), (
+        f"quantized rows must be [{rows}, {cols}] e4m3, contiguous: {tuple(q.shape)} {q.dtype}"
+    )
+    assert scale.shape == (rows,) and scale.dtype == torch.float32, (
+        f"row scales must be [{rows}] fp32, got {tuple(scale.shape)} {scale.dtype}"
+    )
+    assert q.device == scale.device == device, f"quantized rows on {q.device}, not {device}"
+
+
 def quantize_rows(x: torch.Tensor, use_pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (last dim contiguous, any row stride) -> (q [M, K] e4m3, scale [M] fp32) with
     x ~ q * scale[:, None]: each row's largest magnitude maps to E4M3_MAX."""
@@ -59,8 +90,7 @@ def quantize_rows(x: torch.Tensor, use_pdl: bool = True) -> tuple[torch.Tensor, 
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
     assert x.stride(1) == 1, f"x rows must be contiguous, strides {x.stride()}"
     m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    q, scale = empty_quantized(m, k, x.device)
     if m == 0 or k == 0:
         return q, scale.fill_(MIN_SCALE)
     block_k = min(triton.next_power_of_2(k), MAX_BLOCK_K)

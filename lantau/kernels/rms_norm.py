@@ -3,7 +3,9 @@
 The math is lantau.kernels.reference.rms_norm_ref (HF's LlamaRMSNorm): normalise in fp32, round
 to the input dtype, then multiply by the weight and round again, so outputs match the reference
 bit for bit up to the order of the fp32 sum of squares. The weight is loaded before the PDL wait
-(no kernel writes it). One program normalises one token row held whole in registers.
+(no kernel writes it). One program normalises one token row held whole in registers; with
+`quant` it also stores the row quantized for an fp8 projection (fp8_quant.quantize_rows' bits,
+without its launch).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
-from lantau.kernels.fp8_quant import check_unscaled
+from lantau.kernels.fp8_quant import check_quantized, check_unscaled, quantize_row
 from lantau.kernels.pdl import pdl_wait
 
 
@@ -46,8 +48,11 @@ def _rms_norm_kernel(
     out_row_stride,
     hidden_size,
     eps,
+    q_ptr,  # [num_tokens, hidden_size] e4m3, when QUANT
+    q_scale_ptr,  # [num_tokens] fp32, when QUANT
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
     USE_PDL: tl.constexpr,
+    QUANT: tl.constexpr,  # the output quantized by row too (fp8_quant.quantize_row)
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
@@ -56,6 +61,8 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
     out = _normalize_row(x, weight, out_ptr, hidden_size, eps)
     tl.store(out_ptr + row * out_row_stride + offs, out, mask=mask)
+    if QUANT:
+        quantize_row(out.to(tl.float32), q_ptr + row * hidden_size, q_scale_ptr + row, offs, mask)
 
 
 @triton.jit
@@ -69,9 +76,12 @@ def _fused_add_rms_norm_kernel(
     eps,
     row_scale_ptr,  # [num_tokens] fp32, when SCALED
     col_scale_ptr,  # [hidden_size] fp32, when SCALED
+    q_ptr,  # [num_tokens, hidden_size] e4m3, when QUANT
+    q_scale_ptr,  # [num_tokens] fp32, when QUANT
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
     USE_PDL: tl.constexpr,
     SCALED: tl.constexpr,  # x is an unscaled fp8 product: x[t, c] * row_scale[t] * col_scale[c]
+    QUANT: tl.constexpr,  # the output quantized by row too (fp8_quant.quantize_row)
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
@@ -88,6 +98,8 @@ def _fused_add_rms_norm_kernel(
     tl.store(residual_row + offs, total, mask=mask)
     out = _normalize_row(total.to(tl.float32), weight, x_ptr, hidden_size, eps)
     tl.store(x_row + offs, out, mask=mask)
+    if QUANT:
+        quantize_row(out.to(tl.float32), q_ptr + row * hidden_size, q_scale_ptr + row, offs, mask)
 
 
 def _check_rows(name: str, t: torch.Tensor, weight: torch.Tensor) -> None:
@@ -107,9 +119,10 @@ def _num_warps(block_size: int) -> int:
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
-    use_pdl: bool = True,
+    use_pdl: bool = True, quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """RMSNorm of each row of x (any row stride) into out (new if None)."""
+    """RMSNorm of each row of x (any row stride) into out (new if None); quant (buffers of
+    fp8_quant.empty_quantized): out's rows quantized into them too, as quantize_rows(out)."""
     # x, out: [num_tokens, hidden_size]; weight: [hidden_size]
     assert weight.dim() == 1 and weight.is_contiguous(), f"weight {tuple(weight.shape)}"
     _check_rows("x", x, weight)
@@ -118,6 +131,8 @@ def rms_norm(
     assert out.shape == x.shape, f"out {tuple(out.shape)} != x {tuple(x.shape)}"
     _check_rows("out", out, weight)
     num_tokens, hidden_size = x.shape
+    if quant is not None:
+        check_quantized(quant, num_tokens, hidden_size, x.device)
     if num_tokens == 0:
         return out
     block_size = triton.next_power_of_2(hidden_size)
@@ -129,7 +144,9 @@ def rms_norm(
         out.stride(0),
         hidden_size,
         eps,
+        *(quant or (x, x)),
         BLOCK_SIZE=block_size,
+        QUANT=quant is not None,
         **pdl.launch_options(x.device, use_pdl),
         num_warps=_num_warps(block_size),
     )
@@ -144,11 +161,13 @@ def fused_add_rms_norm(
     use_pdl: bool = True,
     row_scale: torch.Tensor | None = None,
     col_scale: torch.Tensor | None = None,
+    quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """In place: residual = x + residual (rounded to its dtype); x = RMSNorm(residual).
     row_scale [num_tokens] and col_scale [hidden_size] (fp32, together): x is an unscaled fp8
     product (a tensor-wise GEMM's), each value multiplied by its row's and its column's scale
-    before the add."""
+    before the add. quant (buffers of fp8_quant.empty_quantized): the new x quantized into them
+    too, as quantize_rows(x)."""
     # x, residual: [num_tokens, hidden_size], any row strides; weight: [hidden_size]
     assert weight.dim() == 1 and weight.is_contiguous(), f"weight {tuple(weight.shape)}"
     _check_rows("x", x, weight)
@@ -156,6 +175,8 @@ def fused_add_rms_norm(
     assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
     num_tokens, hidden_size = x.shape
     scaled = check_unscaled(row_scale, col_scale, num_tokens, hidden_size, x.device)
+    if quant is not None:
+        check_quantized(quant, num_tokens, hidden_size, x.device)
     if num_tokens == 0:
         return
     block_size = triton.next_power_of_2(hidden_size)
@@ -169,8 +190,10 @@ def fused_add_rms_norm(
         eps,
         row_scale if scaled else x,
         col_scale if scaled else x,
+        *(quant or (x, x)),
         BLOCK_SIZE=block_size,
         SCALED=scaled,
+        QUANT=quant is not None,
         **pdl.launch_options(x.device, use_pdl),
         num_warps=_num_warps(block_size),
     )

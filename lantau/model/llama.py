@@ -95,7 +95,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = linear_layer(i, h, False, quant)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        x = ops.linear_silu_mul(x, self.gate_up_proj)
+        x = ops.linear_silu_mul(x, self.gate_up_proj, next_layer=self.down_proj)
         if self.tp.size > 1:  # each rank's partial product, scaled before the all-reduce
             return self.tp.all_reduce(ops.linear(x, self.down_proj))
         return ops.residual_linear(x, self.down_proj)
@@ -114,14 +114,14 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream travels beside the normalised input so that the add and the
         next norm are one fused op: returns (this layer's output delta, residual)."""
-        norm = self.input_layernorm
+        norm, qkv = self.input_layernorm, self.self_attn.qkv_proj
         if residual is None:
-            residual, x = x, ops.rms_norm(x, norm.weight, norm.eps)
+            residual, x = x, ops.rms_norm(x, norm.weight, norm.eps, next_layer=qkv)
         else:
-            x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+            x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps, next_layer=qkv)
         x = self.self_attn(x, ctx, ops)
-        norm = self.post_attention_layernorm
-        x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
+        x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps, next_layer=gate_up)
         return self.mlp(x, ops), residual
 
 
@@ -195,8 +195,7 @@ class LlamaForCausalLM(nn.Module):
                 return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
             return self.ops.resolve(x) + residual
         finally:
-            self.ops.lora = None
-            self.ops._pending = None  # a failed forward's, never the next one's
+            self.ops.end_forward()
 
     def decode_logits(
         self,

@@ -43,6 +43,14 @@ class _Compositions:
     lora: LoRABatch | None = None
     # a residual_linear product left unscaled and its scales, until read
     _pending: tuple[torch.Tensor, dict] | None = None
+    # an op's output and its rows quantized for the fp8 projection that reads it next, until
+    # read (TritonOps, KernelConfig.fuse_fp8_quant)
+    _quantized: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def end_forward(self) -> None:
+        """Forget the forward's adapters and anything left unread (a failed forward's, never
+        the next one's)."""
+        self.lora = self._pending = self._quantized = None
 
     def lora_on(self, layer) -> bool:
         """Whether this forward adds adapter deltas to `layer`'s products."""
@@ -53,10 +61,11 @@ class _Compositions:
         final). TritonOps leaves fp8 products unscaled under fp8_tensorwise_rows."""
         return self.linear(x, layer), {}
 
-    def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
-        """silu_and_mul(layer(x)) for layer = gate_up_proj: [num_tokens, intermediate]."""
+    def linear_silu_mul(self, x, layer: torch.nn.Linear, next_layer=None) -> torch.Tensor:
+        """silu_and_mul(layer(x)) for layer = gate_up_proj: [num_tokens, intermediate];
+        next_layer: the projection that reads it (down_proj), see TritonOps.rms_norm."""
         y, scales = self.product(x, layer)
-        return self.silu_and_mul(y, **scales)
+        return self.silu_and_mul(y, next_layer, **scales)
 
     def residual_linear(self, x, layer: torch.nn.Linear) -> torch.Tensor:
         """layer(x) for a product that goes into the residual stream (o_proj, down_proj),
@@ -120,10 +129,20 @@ class TorchOps(_Compositions):
             add_lora(y, x, layer.lora_weights, self.lora)
         return y if out is None else out.copy_(y)
 
-    rms_norm = staticmethod(ref.rms_norm_ref)
-    add_rms_norm = staticmethod(ref.add_rms_norm_ref)  # (rms_norm(x + residual), x + residual)
+    # next_layer (the projection that reads the output; TritonOps may quantize for it): unused
+    @staticmethod
+    def rms_norm(x, weight, eps, next_layer=None) -> torch.Tensor:
+        return ref.rms_norm_ref(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x, residual, weight, eps, next_layer=None):
+        return ref.add_rms_norm_ref(x, residual, weight, eps)  # (norm(x + res), x + res)
+
+    @staticmethod
+    def silu_and_mul(x, next_layer=None) -> torch.Tensor:
+        return ref.silu_and_mul_ref(x)
+
     rotary = staticmethod(ref.rotary_ref)
-    silu_and_mul = staticmethod(ref.silu_and_mul_ref)
 
     @staticmethod
     def rotary_and_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping):
@@ -193,8 +212,8 @@ class TritonOps(_Compositions):
     def _base_linear(self, x, layer, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.enable_gemv and x.shape[0] == 1:
             y = self._gemv_linear(x, layer)
-        elif isinstance(layer, fp8.Fp8Linear):  # x quantized by token in one launch
-            xq, xs = self._fp8_quant.quantize_rows(x, use_pdl=self._pdl)
+        elif isinstance(layer, fp8.Fp8Linear):  # x quantized by token
+            xq, xs = self._quantized_rows(x)
             y = fp8.fp8_linear_scaled_mm(x, layer, xq, xs)
         elif out is not None and layer.bias is None:
             return torch.mm(x, layer.weight.t(), out=out)  # F.linear's own GEMM
@@ -211,11 +230,29 @@ class TritonOps(_Compositions):
             return self._gemv.gemv(x, w, b, self._preload_tiles.get(shape), preload=True, **kw)
         return self._gemv.gemv(x, w, b, self._gemv_tiles.get(shape), **kw)
 
-    def linear_silu_mul(self, x, layer: torch.nn.Linear) -> torch.Tensor:
+    def linear_silu_mul(self, x, layer: torch.nn.Linear, next_layer=None) -> torch.Tensor:
         gated = self.config.enable_gemv and self.config.enable_gate_silu and x.shape[0] == 1
         if gated and not self.lora_on(layer):  # an adapter's delta comes before the SiLU
             return self._gemv_linear(x, layer, gated=True)
-        return super().linear_silu_mul(x, layer)
+        return super().linear_silu_mul(x, layer, next_layer)
+
+    def _quantize_for(self, rows: int, cols: int, device, next_layer) -> tuple | None:
+        """Buffers for an op's output quantized by row as it is written, when the projection
+        that reads it next quantizes its input so (an fp8 layer, not the batch-1 GEMV) and
+        KernelConfig.fuse_fp8_quant: one launch and a read of the output fewer."""
+        if not (self.config.fuse_fp8_quant and isinstance(next_layer, fp8.Fp8Linear)):
+            return None
+        if self.config.enable_gemv and rows == 1:
+            return None
+        return self._fp8_quant.empty_quantized(rows, cols, device)
+
+    def _quantized_rows(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """x quantized by row: as the op that wrote x quantized it (then no longer kept), or
+        in a launch of its own."""
+        if self._quantized is not None and self._quantized[0] is x:
+            quant, self._quantized = self._quantized[1], None
+            return quant
+        return self._fp8_quant.quantize_rows(x, use_pdl=self._pdl)
 
     def product(self, x, layer) -> tuple[torch.Tensor, dict]:
         """With fp8_tensorwise_rows, an fp8 layer's raw tensor-wise product of x (quantized
@@ -223,7 +260,7 @@ class TritonOps(_Compositions):
         col_scale)."""
         if not self._tensorwise(x, layer):
             return self.linear(x, layer), {}
-        xq, xs = self._fp8_quant.quantize_rows(x, use_pdl=self._pdl)
+        xq, xs = self._quantized_rows(x)
         raw = fp8.unscaled_mm(xq, layer.weight, x.dtype)
         return raw, dict(row_scale=xs, col_scale=layer.weight_scale)
 
@@ -252,14 +289,20 @@ class TritonOps(_Compositions):
         rope = self._decode.DecodeRope(k, v, positions, cos_sin_cache, meta.slot_mapping)
         return self._decode_attention(q, kv_cache, meta, scale, rope)
 
-    def rms_norm(self, x, weight, eps) -> torch.Tensor:
-        return self._norm.rms_norm(x, weight, eps, use_pdl=self._pdl)
+    def rms_norm(self, x, weight, eps, next_layer=None) -> torch.Tensor:
+        """next_layer: the projection that reads the output (_quantize_for)."""
+        quant = self._quantize_for(*x.shape, x.device, next_layer)
+        out = self._norm.rms_norm(x, weight, eps, use_pdl=self._pdl, quant=quant)
+        self._quantized = (out, quant) if quant else None
+        return out
 
-    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(self, x, residual, weight, eps, next_layer=None):
         # in place on both; an unscaled residual_linear product scaled as it is read
+        quant = self._quantize_for(*x.shape, x.device, next_layer)
         self._norm.fused_add_rms_norm(
-            x, residual, weight, eps, use_pdl=self._pdl, **self._take_scales(x)
+            x, residual, weight, eps, use_pdl=self._pdl, **self._take_scales(x), quant=quant
         )
+        self._quantized = (x, quant) if quant else None
         return x, residual
 
     def rotary_and_write_kv(
@@ -273,8 +316,11 @@ class TritonOps(_Compositions):
         )  # fmt: skip
         return q
 
-    def silu_and_mul(self, x, **scales) -> torch.Tensor:
-        return self._act.silu_and_mul(x, use_pdl=self._pdl, **scales)
+    def silu_and_mul(self, x, next_layer=None, **scales) -> torch.Tensor:
+        quant = self._quantize_for(x.shape[0], x.shape[1] // 2, x.device, next_layer)
+        out = self._act.silu_and_mul(x, use_pdl=self._pdl, **scales, quant=quant)
+        self._quantized = (out, quant) if quant else None
+        return out
 
     def _decode_attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, rope=None):
         """Split-context decode attention under this config: a small batch (`rope`, see
@@ -283,25 +329,13 @@ class TritonOps(_Compositions):
         c = self.config
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tile, num_splits, merge = None, c.attn_num_splits, c.attn_merge
-        seq_range = (-1, self._decode.ALL_KEYS)  # every row
         if rope is not None:
             tile, merge = c.attn_small_tile, c.attn_small_merge
             if self.short_context_keys(q.shape[0]) >= meta.max_seq_len:
                 tile, num_splits = c.attn_short_tile, cdiv(c.attn_short_keys, c.attn_short_tile[0])
-        elif c.attn_class_keys:  # short contexts in their own tile's launch (attn_class_keys)
-            short = (-1, c.attn_class_keys)
-            self._decode.paged_decode_attention(
-                q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
-                num_splits=num_splits, config=c.attn_class_tile, merge=merge,
-                use_pdl=self._pdl, seq_range=short,
-            )  # fmt: skip
-            if meta.max_seq_len <= c.attn_class_keys:
-                return out  # an upper bound: no longer context in the batch
-            seq_range = (c.attn_class_keys, self._decode.ALL_KEYS)
         self._decode.paged_decode_attention(
             q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
             num_splits=num_splits, config=tile, merge=merge, rope=rope, use_pdl=self._pdl,
-            seq_range=seq_range,
         )  # fmt: skip
         return out
 
