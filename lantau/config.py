@@ -244,8 +244,9 @@ class KernelConfig:
     # column scales applied by the kernel that reads it (qkv: rotary and the KV write;
     # gate_up: SiLU-and-mul; o_proj, down_proj: the residual add + norm, without tensor
     # parallelism) ((0, 0): never). cuBLAS's tensor-wise kernels beat its row-wise ones at
-    # 256-384 rows (H200: 8B qkv 1,202 vs 836 TFLOP/s, 70B down 1,394 vs 1,090 at 384 rows)
-    fp8_tensorwise_rows: tuple[int, int] = (0, 0)
+    # 256-384 rows (H200: 8B qkv 1,202 vs 836 TFLOP/s, 70B down 1,394 vs 1,090 at 384 rows),
+    # row-wise wins from 1,024 rows; W3-fp8-128 +2.3 % on an H100 (RESULTS.md, 2026-12-06)
+    fp8_tensorwise_rows: tuple[int, int] = (128, 768)
     # the input of an fp8 projection (qkv, gate_up, down) quantized by row by the kernel that
     # writes it (the RMSNorms, SiLU-and-mul) instead of in a launch of its own
     fuse_fp8_quant: bool = True
