@@ -447,3 +447,26 @@ def test_on_step_records_every_step(tiny_llama_dir, async_scheduling):
     assert sum(r["decodes"] for r in records) == 2 * 4  # the 5th token: the last step's sample
     assert max(r["tokens"] - r["decodes"] for r in records) <= 3 + 3  # chunks of at most 4
     assert all(r["device_ms"] is None and 0 <= r["host_ms"] <= r["call_ms"] for r in records)
+
+
+def test_waiting_prompts_take_the_seats_of_requests_ending_in_flight(tiny_llama_dir):
+    """Overlapped steps at max_num_seqs: when every running request's last token (by length)
+    is in flight, the next step is the waiting prompts' prefill, not an empty step (the host
+    collecting and freeing while the device idles); tokens as one step at a time, nothing
+    left behind."""
+    prompts = random_prompts(6, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    records: list[dict] = []
+    outputs = {}
+    for overlapped in (False, True):
+        llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_num_seqs=2,
+                  num_kv_blocks=64, async_scheduling=overlapped)  # fmt: skip
+        if overlapped:
+            llm.engine.core.on_step = records.append
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        outputs[overlapped] = [o.outputs[0].token_ids for o in outs]
+        check_clean(llm)
+    assert outputs[True] == outputs[False]
+    busy = [r["reqs"] for r in records]
+    assert 0 not in busy[:-1] and max(busy) == 2, busy  # the last call may only collect
+    assert sum(r["new"] for r in records) == 6

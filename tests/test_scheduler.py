@@ -152,6 +152,46 @@ def test_max_num_seqs():
     assert set(out.num_scheduled_tokens) == {"r0", "r1"}
 
 
+def run_overlapped(sched: Scheduler, runner: FakeRunner, max_steps=1000):
+    """As EngineCore with async scheduling: step N+1 is scheduled (and run) before step N's
+    tokens reach the scheduler."""
+    outs, in_flight = [], None
+    for _ in range(max_steps):
+        if not sched.has_unfinished:
+            return outs
+        out = sched.schedule()
+        outs.append(out)
+        assert len(out.num_scheduled_tokens) <= sched.config.max_num_seqs
+        result = runner.execute(out)
+        if in_flight is not None:
+            sched.update(*in_flight)
+        in_flight = (out, result)
+        sched.check_integrity()
+    raise AssertionError("did not finish")
+
+
+def test_seats_of_requests_ending_in_flight_go_to_waiting_ones():
+    """With overlapped steps, a request whose last token (by length) is in flight is not
+    scheduled again, and a waiting request takes its seat in that step: a batch that ends
+    together is followed at once by the next prompts, no empty step between (the same tokens
+    as one step at a time)."""
+    tokens = {}
+    for overlapped in (False, True):
+        sched, runner = make_scheduler(max_num_seqs=2), FakeRunner()
+        for i in range(5):
+            add(sched, f"r{i}", 5, max_tokens=3)
+        outs = (run_overlapped if overlapped else run_to_completion)(sched, runner)
+        tokens[overlapped] = runner.tokens
+        if overlapped:
+            assert all(out.num_scheduled_tokens for out in outs[:-1])  # no empty step
+            # r0, r1: prefill, 2 decodes; r2, r3 join as their last token is in flight
+            assert [sorted(out.num_scheduled_tokens) for out in outs[:4]] == [
+                ["r0", "r1"], ["r0", "r1"], ["r0", "r1"], ["r2", "r3"],
+            ]  # fmt: skip
+            assert len(sched.running) == 0 and sched.kv_cache.num_free_blocks == 64
+    assert tokens[True] == tokens[False]
+
+
 def test_preemption_takes_lowest_priority_then_newest_and_recomputes():
     # 6 blocks of 4 tokens; three requests of 6 prompt + 6 output tokens need 9 blocks at the end
     sched = make_scheduler(num_blocks=6)

@@ -10,7 +10,11 @@ admitted FCFS within a priority while the token budget and `max_num_seqs` allow,
 
 Steps may overlap: the engine schedules step N+1 while step N runs, so a request whose token
 from step N is still pending is scheduled one token ahead (`Request.num_pending_tokens`). A
-request that step N finishes wastes that one row; nothing else changes.
+request that step N finishes by its stop token wastes that one row. One that step N finishes
+by length is known to end: step N+1 skips it, and a waiting request may take its seat
+(`max_num_seqs` counts the requests a step can still schedule), so that a batch whose requests
+all end together is followed at once by the next prompts' prefill, not by an empty step while
+the host collects, frees and schedules.
 """
 
 from __future__ import annotations
@@ -110,20 +114,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget, num_ending = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_req_ids:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, num_ending)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+        """Schedules running requests first: (budget left, requests passed over because the
+        step in flight ends them)."""
         self.running.sort(key=lambda r: r.priority_key)
-        i = 0
+        i = num_ending = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_tokens = request.num_tokens + request.num_pending_tokens
-            if request.num_pending_tokens and num_tokens >= request.max_num_tokens:
-                i += 1  # its pending tokens end it: nothing left to compute
+            if self._ends_in_flight(request):
+                i += 1  # nothing left to compute
+                num_ending += 1
                 continue
+            num_tokens = request.num_tokens + request.num_pending_tokens
             remaining = num_tokens - request.num_computed_tokens
             num_new = min(self._chunk(remaining, self._num_scheduled(budget)), budget)
             if not self.config.enable_chunked_prefill and num_new < remaining:
@@ -145,7 +152,13 @@ class Scheduler:
             self._commit(request, num_new, out)
             budget -= num_new
             i += 1
-        return budget
+        return budget, num_ending
+
+    @staticmethod
+    def _ends_in_flight(request: Request) -> bool:
+        """Its tokens in flight reach its length limit: the step that samples them ends it."""
+        num_tokens = request.num_tokens + request.num_pending_tokens
+        return request.num_pending_tokens > 0 and num_tokens >= request.max_num_tokens
 
     def _num_scheduled(self, budget: int) -> int:
         """Tokens already in this step, from the budget left."""
@@ -180,11 +193,14 @@ class Scheduler:
         held = len(self.kv_cache.req_to_blocks.get(request.request_id, ()))
         return max(cdiv(request.max_num_tokens, self.kv_cache.block_size) - held, 0)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, num_ending: int) -> None:
         no_evict = self.config.policy == "guaranteed_no_evict"
         # blocks the running requests may still take; admission keeps them free
         reserved = sum(self._blocks_to_finish(r) for r in self.running) if no_evict else 0
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # the seats of requests that end in flight are free for this step (their blocks are
+        # not: they go back when their last token is collected)
+        seats = self.config.max_num_seqs - len(self.running) + num_ending
+        while budget > 0 and seats > 0:
             request = self._peek_waiting()
             if request is None or request.num_pending_tokens:
                 # NOTE: a request preempted while a token of it was in flight waits for it
@@ -225,6 +241,7 @@ class Scheduler:
             )
             self._commit(request, num_new, out)
             budget -= num_new
+            seats -= 1
             if no_evict:
                 reserved += self._blocks_to_finish(request)
 
