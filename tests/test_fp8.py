@@ -64,12 +64,12 @@ def test_quantize_rows_kernel_matches_reference(dtype, m, k):
 
 
 @pytest.mark.usefixtures("interpreter_fp8_cast")
-@pytest.mark.parametrize(("m", "k"), [(3, 96), (2, 5000)])
+@pytest.mark.parametrize(("m", "k"), [(3, 96), (2, 5000), (1, 16500)])
 def test_kernels_quantize_their_output_as_written(m, k):
     """RMSNorm, the fused residual add + RMSNorm (also of an unscaled product) and SiLU-and-mul
     with `quant`: their outputs as without it, and the quantized rows' e4m3 bits and scales
-    those of quantize_rows on that output (K past one tile: 5,000 > 4,096 loops twice in
-    SiLU-and-mul's second pass)."""
+    those of quantize_rows on that output (SiLU-and-mul's row held in registers up to 16,384
+    values, in two passes of 4,096-value tiles past that: 16,500)."""
     from lantau.kernels import activation, fp8_quant, rms_norm
 
     gen = torch.Generator().manual_seed(m + k)
@@ -478,37 +478,38 @@ def test_scaled_readers_compile_for_hopper():
     """The readers of an unscaled fp8 product (fp8_tensorwise_rows): SiLU-and-mul and the
     fused residual add + RMSNorm with their row and column scales, and the writers of an fp8
     projection's quantized input (fuse_fp8_quant: both RMSNorms and SiLU-and-mul with
-    `quant`), compile to sm90 cubin with Triton's own ptxas (no GPU needed; the rotary
-    kernel's both ways are in tests/test_fp8_kv_cache.py's compile test)."""
+    `quant`; quantize_rows' one-pass row), compile to sm90 cubin with Triton's own ptxas (no
+    GPU needed; the rotary kernel's both ways are in tests/test_fp8_kv_cache.py's compile
+    test)."""
     from tests.compiled import run_compiled
 
     quant = dict(q_ptr="*fp8e4nv", q_scale_ptr="*fp32")
-    kernels = {
-        "activation._silu_and_mul_kernel": (
-            dict(x_ptr="*bf16", out_ptr="*bf16", row_scale_ptr="*fp32", col_scale_ptr="*fp32"),
-            dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True),
-        ),
-        "activation._silu_and_mul_quant_kernel": (
-            dict(x_ptr="*bf16", out_ptr="*bf16", row_scale_ptr="*fp32", col_scale_ptr="*fp32",
-                 **quant),
-            dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=False),
-        ),
-        "rms_norm._fused_add_rms_norm_kernel": (
-            dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16", eps="fp32",
-                 row_scale_ptr="*fp32", col_scale_ptr="*fp32", **quant),
-            dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True, QUANT=True),
-        ),
-        "rms_norm._rms_norm_kernel": (
-            dict(x_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", eps="fp32", **quant),
-            dict(BLOCK_SIZE=4096, USE_PDL=True, QUANT=True),
-        ),
-    }  # fmt: skip
+    silu = dict(x_ptr="*bf16", out_ptr="*bf16", row_scale_ptr="*fp32", col_scale_ptr="*fp32")
+    kernels = [  # (kernel, argument types, constexprs)
+        ("activation._silu_and_mul_kernel", silu,
+         dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True)),
+        ("activation._silu_and_mul_quant_kernel", {**silu, **quant},
+         dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=False, ONE_PASS=False)),
+        ("activation._silu_and_mul_quant_kernel", {**silu, **quant},  # 8B's row in registers
+         dict(BLOCK_SIZE=16384, USE_PDL=True, SCALED=True, ONE_PASS=True)),
+        ("fp8_quant._quantize_rows_kernel",
+         dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
+         dict(BLOCK_K=4096, USE_PDL=True, ONE_PASS=True)),
+        ("rms_norm._fused_add_rms_norm_kernel",
+         dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16", eps="fp32",
+              row_scale_ptr="*fp32", col_scale_ptr="*fp32", **quant),
+         dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True, QUANT=True)),
+        ("rms_norm._rms_norm_kernel",
+         dict(x_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", eps="fp32", **quant),
+         dict(BLOCK_SIZE=4096, USE_PDL=True, QUANT=True)),
+    ]  # fmt: skip
     code = f"""
 import importlib
 from sass_loops import compile_sm90
-for name, (types, constexprs) in {kernels!r}.items():
+for name, types, constexprs in {kernels!r}:
     module, fn_name = name.split(".")
     fn = getattr(importlib.import_module("lantau.kernels." + module), fn_name)
     print(name, "cubin" in compile_sm90(fn, types, constexprs, num_warps=8, num_stages=3).asm)
 """
-    assert run_compiled(code).split() == [word for name in kernels for word in (name, "True")]
+    expected = [word for name, _, _ in kernels for word in (name, "True")]
+    assert run_compiled(code).split() == expected

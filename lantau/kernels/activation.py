@@ -9,12 +9,15 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
-from lantau.kernels.fp8_quant import MAX_BLOCK_K, check_quantized, check_unscaled
+from lantau.kernels.fp8_quant import MAX_BLOCK_K, check_quantized, check_unscaled, quantize_row
 from lantau.kernels.pdl import pdl_wait
 
 # widest column tile of one program: past this a row is split over several programs, so that
 # decode batches of a few tokens still spread a wide MLP (d = 14336) over many SMs
 MAX_BLOCK_SIZE = 4096
+# widest row the quantizing kernel holds in registers (16 warps, 32 values a thread: llama3-8b's
+# 14,336); a wider one (70B's 28,672) takes two passes
+MAX_QUANT_ROW = 16384
 
 
 @triton.jit
@@ -65,15 +68,23 @@ def _silu_and_mul_quant_kernel(
     BLOCK_SIZE: tl.constexpr,  # columns a pass holds at once
     USE_PDL: tl.constexpr,
     SCALED: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # BLOCK_SIZE >= d: the whole row in registers
 ):
-    """One program a row: the first pass stores the activation in out's dtype and finds its
-    largest magnitude, the second reads the stored row back (L1 / L2) and writes it in e4m3,
-    as quantize_rows would from out."""
+    """One program a row, the activation stored in out's dtype and quantized from that, as
+    quantize_rows would from out: a row that fits one block is held in registers; a longer
+    one takes two passes, the first storing the activation and finding its largest
+    magnitude, the second reading the stored row back (L1 / L2) and writing it in e4m3."""
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
     x_row, out_row = x_ptr + row * x_row_stride, out_ptr + row * out_row_stride
     out_ty = out_ptr.dtype.element_ty
+    if ONE_PASS:
+        mask = offs < d
+        out = _silu_mul(x_row, offs, mask, d, row, row_scale_ptr, col_scale_ptr, SCALED).to(out_ty)
+        tl.store(out_row + offs, out, mask=mask)
+        quantize_row(out.to(tl.float32), q_ptr + row * d, q_scale_ptr + row, offs, mask)
+        return
     amax = tl.zeros([BLOCK_SIZE], tl.float32)
     for k in range(0, d, BLOCK_SIZE):
         cols = k + offs
@@ -126,11 +137,12 @@ def silu_and_mul(
         return out
     scales = (row_scale, col_scale) if scaled else (x, x)
     if quant is not None:
-        block_size = min(triton.next_power_of_2(d), MAX_BLOCK_K)
+        one_pass = triton.next_power_of_2(d) <= MAX_QUANT_ROW
+        block_size = triton.next_power_of_2(d) if one_pass else MAX_BLOCK_K
         _silu_and_mul_quant_kernel[(num_tokens,)](
             x, out, *quant, x.stride(0), out.stride(0), d, *scales, BLOCK_SIZE=block_size,
-            SCALED=scaled, **pdl.launch_options(x.device, use_pdl),
-            num_warps=min(max(block_size // 512, 1), 8),  # as quantize_rows
+            SCALED=scaled, ONE_PASS=one_pass, **pdl.launch_options(x.device, use_pdl),
+            num_warps=16 if one_pass else min(max(block_size // 512, 1), 8),
         )  # fmt: skip
         return out
     block_size = min(triton.next_power_of_2(d), MAX_BLOCK_SIZE)

@@ -1,9 +1,11 @@
 """Dynamic per-token FP8 (e4m3) quantization of activations, before `torch._scaled_mm`.
 
-One program a row: a first pass over the row finds its largest magnitude, a second (the row
-still in L1/L2) writes row / scale in e4m3. In torch the same takes five launches and a wide
-fp32 copy of the row (a prefill's down_proj input is 65,536 x 14,336); here the row is read
-twice and written once in one byte an element. The reference is lantau.model.fp8.quantize_rows.
+One program a row: a row of up to MAX_BLOCK_K values is read once and held in registers, its
+largest magnitude found and row / scale written in e4m3; a longer row takes two passes (the
+second with the row still in L1/L2). In torch the same takes five launches and a wide fp32
+copy of the row (a prefill's down_proj input is 65,536 x 14,336); here the row is read once
+or twice and written once in one byte an element. The reference is
+lantau.model.fp8.quantize_rows.
 
 NOTE: a scale per row keeps each token's product independent of the other rows: the CUDA
 graphs' padding rows (decode buckets, mixed-step token buckets) and a batch's make-up change
@@ -25,6 +27,18 @@ MAX_BLOCK_K = 4096  # columns a program holds at once
 
 
 @triton.jit
+def quantize_row(y, q_row_ptr, scale_ptr, offs, mask):
+    """A whole row held in registers (y, fp32, [BLOCK] with 0 in its padding lanes) stored as
+    quantize_rows stores it: its scale to scale_ptr, y / scale in e4m3 to q_row_ptr + offs.
+    For kernels that produce a row and hand it to an fp8 projection (quantized as written,
+    one launch fewer)."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+    tl.store(scale_ptr, scale)
+    q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
+    tl.store(q_row_ptr + offs, q.to(q_row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,  # [M, K] fp32 / fp16 / bf16
     q_ptr,  # [M, K] e4m3, contiguous
@@ -33,11 +47,17 @@ def _quantize_rows_kernel(
     stride_xm,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # BLOCK_K >= K: the row read once and held in registers
 ):
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     offs = tl.arange(0, BLOCK_K)
+    if ONE_PASS:
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        quantize_row(x, q_ptr + row * K, scale_ptr + row, offs, mask)
+        return
     amax = tl.zeros([BLOCK_K], tl.float32)
     for k in range(0, K, BLOCK_K):
         x = tl.load(x_row + k + offs, mask=(k + offs) < K, other=0.0).to(tl.float32)
@@ -50,18 +70,6 @@ def _quantize_rows_kernel(
         # NOTE: IEEE division, as torch's (Triton's `/` on fp32 is approximate on CUDA)
         q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
         tl.store(q_ptr + row * K + k + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def quantize_row(y, q_row_ptr, scale_ptr, offs, mask):
-    """A whole row held in registers (y, fp32, [BLOCK] with 0 in its padding lanes) stored as
-    quantize_rows stores it: its scale to scale_ptr, y / scale in e4m3 to q_row_ptr + offs.
-    For kernels that produce a row and hand it to an fp8 projection (quantized as written,
-    one launch fewer)."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
-    tl.store(scale_ptr, scale)
-    q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
-    tl.store(q_row_ptr + offs, q.to(q_row_ptr.dtype.element_ty), mask=mask)
 
 
 def empty_quantized(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +103,7 @@ def quantize_rows(x: torch.Tensor, use_pdl: bool = True) -> tuple[torch.Tensor, 
         return q, scale.fill_(MIN_SCALE)
     block_k = min(triton.next_power_of_2(k), MAX_BLOCK_K)
     _quantize_rows_kernel[(m,)](
-        x, q, scale, k, x.stride(0), BLOCK_K=block_k,
+        x, q, scale, k, x.stride(0), BLOCK_K=block_k, ONE_PASS=block_k >= k,
         num_warps=min(max(block_k // 512, 1), 8),  # about 16 elements a thread a pass
         **pdl.launch_options(x.device, use_pdl),
     )  # fmt: skip
