@@ -1,5 +1,7 @@
 """Where an fp8 engine's device time goes, by kernel: W3-fp8-128 (llama3-8b) and W4-128
-(llama3-70b) waves under torch.profiler, eager (the kernels a CUDA graph replays, each seen).
+(llama3-70b) waves under torch.profiler, eager (the kernels a CUDA graph replays, each seen),
+or with `--graphs` as served (CUDA graphs: the device's gaps between kernels, by the family of
+the kernel after each gap, say what a step costs beyond its kernels).
 
 For each model: one wave of `--rows` prompts of the workload's (`--workloads`, W3-128 by
 default: 128 tokens in, 128 out), first prefill only (max_tokens 1), then prefill and every
@@ -8,7 +10,7 @@ activation quantization, attention, the rest), the wave's wall time and its impl
 against the same-run ceilings (fp8 matmul TFLOP/s, copy TB/s).
 
     PYTHONPATH=. python3 benchmarks/fp8_kernel_profile.py [--models 8b,70b] [--rows 384,128]
-        [--workloads W3-128,W3-128]
+        [--workloads W3-128,W3-128] [--graphs]
 """
 
 from __future__ import annotations
@@ -54,6 +56,35 @@ def kernel_times(prof) -> tuple[dict[str, float], dict[str, int]]:
     return kernels, counts
 
 
+GAP_IDLE_US = 100.0  # a longer gap between kernels is the host's (between steps), not a launch's
+
+
+def kernel_gaps(prof) -> dict:
+    """The device's gaps between consecutive kernels (and copies): under GAP_IDLE_US by the
+    family of the kernel after the gap (launch and drain costs), longer ones summed apart."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+    )
+    gaps: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    idle_us, end = 0.0, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            if start - end > GAP_IDLE_US:
+                idle_us += start - end
+            else:
+                gaps[family(name)] += (start - end) / 1e3
+                counts[family(name)] += 1
+        end = stop if end is None else max(end, stop)
+    return {
+        "launch_gaps_ms": {k: round(v, 3) for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])},
+        "launch_gap_counts": dict(counts),
+        "idle_ms": round(idle_us / 1e3, 3),
+    }
+
+
 def profiled(llm, prompts, max_tokens: int) -> dict:
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
@@ -75,6 +106,7 @@ def profiled(llm, prompts, max_tokens: int) -> dict:
         fams[family(name)] += ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     return {
+        **kernel_gaps(prof),
         "wall_ms": wall * 1e3,
         "device_busy_ms": busy,
         "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
@@ -82,7 +114,9 @@ def profiled(llm, prompts, max_tokens: int) -> dict:
     }
 
 
-def run_model(name: str, rows: int, workload: str, table: list, results: dict) -> None:
+def run_model(
+    name: str, rows: int, workload: str, table: list, results: dict, graphs: bool = False
+) -> None:
     model = {"8b": "random:llama3-8b", "70b": "random:llama3-70b"}[name]
     t = time.perf_counter()
     wave = make_workload(workload, 128256, rows)  # llama3's vocabulary, both sizes
@@ -90,9 +124,10 @@ def run_model(name: str, rows: int, workload: str, table: list, results: dict) -
     llm = LLM(
         model, dtype="fp8", kv_cache_dtype="fp8", max_model_len=max(2048, prompt_len + output_len),
         max_num_seqs=rows, max_num_batched_tokens=65536 if name == "8b" else 16384,
-        enforce_eager=True,
+        enforce_eager=not graphs,
     )  # fmt: skip
-    print(f"{model} fp8 eager up in {time.perf_counter() - t:.1f} s", flush=True)
+    mode = "graphs" if graphs else "eager"
+    print(f"{model} fp8 {mode} up in {time.perf_counter() - t:.1f} s", flush=True)
     n_params = sum(p.numel() for p in llm.engine.core.runner.model.parameters())
     name = f"{name} {workload}"
     res = results[name] = {"rows": rows, "params": n_params}
@@ -103,11 +138,13 @@ def run_model(name: str, rows: int, workload: str, table: list, results: dict) -
         r["matmul_tflop_s_of_wall"] = tflop / r["wall_ms"] * 1e3
         print(name, phase, json.dumps(r, indent=1), flush=True)
         fams = ", ".join(f"{k} {v:.0f}" for k, v in list(r["families_ms"].items())[:5])
+        gaps = ", ".join(f"{k} {v:.0f}" for k, v in list(r["launch_gaps_ms"].items())[:5])
         table.append(
             (
-                f"{name} {phase} x{rows}",
+                f"{name} {phase} x{rows} ({mode})",
                 f"wall {r['wall_ms']:.0f} ms, busy {r['device_busy_ms']:.0f}",
-                f"{r['matmul_tflop_s_of_wall']:.0f} TFLOP/s of wall; {fams}",
+                f"{r['matmul_tflop_s_of_wall']:.0f} TFLOP/s of wall; {fams}; gaps before "
+                f"{gaps}; idle {r['idle_ms']:.0f}",
             )
         )
     wave_ms = res["wave"]["wall_ms"] - res["prefill"]["wall_ms"]
@@ -124,6 +161,7 @@ def main() -> None:
     p.add_argument("--models", default="8b,70b")
     p.add_argument("--rows", default="384,128", help="max_num_seqs and wave size, per model")
     p.add_argument("--workloads", default="W3-128,W3-128", help="the waves' shape, per model")
+    p.add_argument("--graphs", action="store_true", help="CUDA graphs, as served (not eager)")
     args = p.parse_args()
     table: list[tuple[str, str, str]] = []
     results: dict = {"ceilings": measure_ceilings(torch.device("cuda"))}
@@ -131,7 +169,7 @@ def main() -> None:
     runs = zip(args.models.split(","), args.rows.split(","), args.workloads.split(","), strict=True)
     for name, rows, workload in runs:
         try:
-            run_model(name, int(rows), workload, table, results)
+            run_model(name, int(rows), workload, table, results, args.graphs)
         except Exception as e:  # the next model still runs
             table.append((name, "FAILED", f"{type(e).__name__}: {str(e)[:90]}"))
     with open(os.path.join(OUT, "fp8_kernel_profile.json"), "w") as f:
