@@ -12,6 +12,9 @@ Sections, in order (each on its own: an error is printed and the next section ru
   ceilings  copy bandwidth, bf16 and row-wise fp8 matmul rates (8192^3)
   kernels   at llama3-8b's projection shapes: the fp8 GEMV vs `_scaled_mm` vs the dequantized
             fp32 reference; the per-token quantization kernel vs torch
+  quant     the writers of an fp8 projection's input (SiLU-and-mul, the residual add +
+            RMSNorm, each with `quant`) against the unfused pair, and quantize_rows alone, at
+            W3's and W4's decode rows and a prefill chunk: us a launch, bit-equality
   accum     `_scaled_mm` with and without fast accumulation at the 8B and 70B projection
             shapes and 128 to 16,384 rows: TFLOP/s and error against the dequantized product
   scaling   row-wise scaled `_scaled_mm` (CUTLASS) against tensor-wise (cuBLASLt, scales 1)
@@ -140,6 +143,95 @@ def kernels() -> None:
             f"GEMV vs bf16 weights {worst_fp8:.3f} (fp8's own error)",
         )
     )
+
+
+@section("quant")
+def quant() -> None:
+    """The writers of an fp8 projection's input (KernelConfig.fuse_fp8_quant) against the
+    unfused pair each replaces, in CUDA graphs over inputs rotated past L2: SiLU-and-mul with
+    `quant` against silu_and_mul then quantize_rows (down_proj's input), the residual add +
+    RMSNorm with `quant` against it then quantize_rows (qkv's and gate_up's), and quantize_rows
+    alone (o_proj's input); W3's and W4's decode rows and a prefill chunk, 8B and 70B widths;
+    each fused output checked bit-equal to the pair's."""
+    from lantau.bench.offline import graph_ms
+    from lantau.kernels import activation, fp8_quant, rms_norm
+
+    def timed(fn, copies: int) -> float:  # us a launch (or a pair)
+        return round(1e3 * graph_ms(fn) / copies, 2)
+
+    res = {}
+    for model, hidden, inter in (("8b", 4096, 14336), ("70b", 8192, 28672)):
+        for rows in (384, 172, 8192):
+            row = res[f"{model} x{rows}"] = {}
+            copies = max(2, (256 << 20) // (rows * 4 * inter))
+            gate_up = [
+                torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
+                for _ in range(copies)
+            ]
+            outs = [torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16) for _ in gate_up]
+            quants = [fp8_quant.empty_quantized(rows, inter, "cuda") for _ in gate_up]
+
+            def silu_fused(gate_up=gate_up, outs=outs, quants=quants):
+                for g, o, q in zip(gate_up, outs, quants, strict=True):
+                    activation.silu_and_mul(g, out=o, quant=q)
+
+            def silu_pair(gate_up=gate_up, outs=outs):
+                for g, o in zip(gate_up, outs, strict=True):
+                    fp8_quant.quantize_rows(activation.silu_and_mul(g, out=o))
+
+            silu_fused()
+            q_ref, s_ref = fp8_quant.quantize_rows(outs[0])
+            row["silu_bit_equal"] = bool(
+                torch.equal(quants[0][0].view(torch.uint8), q_ref.view(torch.uint8))
+                and torch.equal(quants[0][1], s_ref)
+            )
+            row["silu_quant_us"] = timed(silu_fused, copies)
+            row["silu_then_quantize_us"] = timed(silu_pair, copies)
+            del gate_up, outs, quants
+            copies = max(2, (256 << 20) // (rows * 8 * hidden))
+            xs = [
+                torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+                for _ in range(copies)
+            ]
+            residuals = [torch.randn_like(x) for x in xs]
+            weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+            quants = [fp8_quant.empty_quantized(rows, hidden, "cuda") for _ in xs]
+
+            def norm_fused(xs=xs, residuals=residuals, weight=weight, quants=quants):
+                for x, r, q in zip(xs, residuals, quants, strict=True):
+                    rms_norm.fused_add_rms_norm(x, r, weight, 1e-5, quant=q)
+
+            def norm_pair(xs=xs, residuals=residuals, weight=weight):
+                for x, r in zip(xs, residuals, strict=True):
+                    rms_norm.fused_add_rms_norm(x, r, weight, 1e-5)
+                    fp8_quant.quantize_rows(x)
+
+            def quantize(xs=xs):
+                for x in xs:
+                    fp8_quant.quantize_rows(x)
+
+            norm_fused()
+            q_ref, s_ref = fp8_quant.quantize_rows(xs[0])
+            row["norm_bit_equal"] = bool(
+                torch.equal(quants[0][0].view(torch.uint8), q_ref.view(torch.uint8))
+                and torch.equal(quants[0][1], s_ref)
+            )
+            row["norm_quant_us"] = timed(norm_fused, copies)
+            row["norm_then_quantize_us"] = timed(norm_pair, copies)
+            row["quantize_rows_us"] = timed(quantize, copies)
+            del xs, residuals, quants
+            torch.cuda.empty_cache()
+            print(model, rows, row, flush=True)
+            TABLE.append(
+                (
+                    f"fp8 input writers {model} x{rows}",
+                    f"SiLU+quant {row['silu_quant_us']} us (pair {row['silu_then_quantize_us']})",
+                    f"norm+quant {row['norm_quant_us']} (pair {row['norm_then_quantize_us']}); "
+                    f"quantize_rows {row['quantize_rows_us']}; bit-equal "
+                    f"{row['silu_bit_equal'] and row['norm_bit_equal']}",
+                )
+            )
+    RESULTS["quant"] = res
 
 
 @section("accum")
@@ -574,6 +666,7 @@ def main() -> None:
     for name, fn, fn_args in [
         ("ceilings", ceilings, ()),
         ("kernels", kernels, ()),
+        ("quant", quant, ()),
         ("accum", accum, ()),
         ("scaling", scaling, ()),
         ("w2-bf16", w2_bf16, (ref,)),
