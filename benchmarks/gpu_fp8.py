@@ -159,6 +159,11 @@ def quant() -> None:
     def timed(fn, copies: int) -> float:  # us a launch (or a pair)
         return round(1e3 * graph_ms(fn) / copies, 2)
 
+    def bit_equal(quant, out) -> bool:  # a writer's quantized rows against quantize_rows(out)
+        q_ref, s_ref = fp8_quant.quantize_rows(out)
+        same_q = torch.equal(quant[0].view(torch.uint8), q_ref.view(torch.uint8))
+        return bool(same_q and torch.equal(quant[1], s_ref))
+
     res = {}
     for model, hidden, inter in (("8b", 4096, 14336), ("70b", 8192, 28672)):
         for rows in (384, 172, 8192):
@@ -180,11 +185,7 @@ def quant() -> None:
                     fp8_quant.quantize_rows(activation.silu_and_mul(g, out=o))
 
             silu_fused()
-            q_ref, s_ref = fp8_quant.quantize_rows(outs[0])
-            row["silu_bit_equal"] = bool(
-                torch.equal(quants[0][0].view(torch.uint8), q_ref.view(torch.uint8))
-                and torch.equal(quants[0][1], s_ref)
-            )
+            row["silu_bit_equal"] = bit_equal(quants[0], outs[0])
             row["silu_quant_us"] = timed(silu_fused, copies)
             row["silu_then_quantize_us"] = timed(silu_pair, copies)
             del gate_up, outs, quants
@@ -211,11 +212,7 @@ def quant() -> None:
                     fp8_quant.quantize_rows(x)
 
             norm_fused()
-            q_ref, s_ref = fp8_quant.quantize_rows(xs[0])
-            row["norm_bit_equal"] = bool(
-                torch.equal(quants[0][0].view(torch.uint8), q_ref.view(torch.uint8))
-                and torch.equal(quants[0][1], s_ref)
-            )
+            row["norm_bit_equal"] = bit_equal(quants[0], xs[0])
             row["norm_quant_us"] = timed(norm_fused, copies)
             row["norm_then_quantize_us"] = timed(norm_pair, copies)
             row["quantize_rows_us"] = timed(quantize, copies)

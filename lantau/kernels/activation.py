@@ -9,7 +9,13 @@ import triton
 import triton.language as tl
 
 from lantau.kernels import pdl
-from lantau.kernels.fp8_quant import MAX_BLOCK_K, check_quantized, check_unscaled, quantize_row
+from lantau.kernels.fp8_quant import (
+    MAX_BLOCK_K,
+    check_quantized,
+    check_unscaled,
+    quantize_row,
+    quantize_stored_row,
+)
 from lantau.kernels.pdl import pdl_wait
 
 # widest column tile of one program: past this a row is split over several programs, so that
@@ -92,15 +98,8 @@ def _silu_and_mul_quant_kernel(
         out = _silu_mul(x_row, cols, mask, d, row, row_scale_ptr, col_scale_ptr, SCALED).to(out_ty)
         tl.store(out_row + cols, out, mask=mask)
         amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
-    tl.store(q_scale_ptr + row, scale)
     tl.debug_barrier()  # the row's stores seen by every thread of the program
-    for k in range(0, d, BLOCK_SIZE):
-        cols = k + offs
-        mask = cols < d
-        y = tl.load(out_row + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
-        tl.store(q_ptr + row * d + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    quantize_stored_row(out_row, q_ptr + row * d, q_scale_ptr + row, amax, d, BLOCK_SIZE)
 
 
 def silu_and_mul(

@@ -27,15 +27,41 @@ MAX_BLOCK_K = 4096  # columns a program holds at once
 
 
 @triton.jit
+def _row_scale(amax, scale_ptr):
+    """A row's scale from its largest magnitudes ([BLOCK], a lane's each), stored to
+    scale_ptr: the largest maps to E4M3_MAX."""
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    tl.store(scale_ptr, scale)
+    return scale
+
+
+@triton.jit
+def _store_quantized(x, scale, q_ptrs, mask):
+    # NOTE: IEEE division, as torch's (Triton's `/` on fp32 is approximate on CUDA)
+    q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def quantize_row(y, q_row_ptr, scale_ptr, offs, mask):
     """A whole row held in registers (y, fp32, [BLOCK] with 0 in its padding lanes) stored as
     quantize_rows stores it: its scale to scale_ptr, y / scale in e4m3 to q_row_ptr + offs.
     For kernels that produce a row and hand it to an fp8 projection (quantized as written,
     one launch fewer)."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
-    tl.store(scale_ptr, scale)
-    q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
-    tl.store(q_row_ptr + offs, q.to(q_row_ptr.dtype.element_ty), mask=mask)
+    _store_quantized(y, _row_scale(tl.abs(y), scale_ptr), q_row_ptr + offs, mask)
+
+
+@triton.jit
+def quantize_stored_row(x_row, q_row_ptr, scale_ptr, amax, K, BLOCK: tl.constexpr):
+    """The second pass over a row too long for registers, already in memory (L1 / L2) and
+    its lanes' largest magnitudes found (amax, [BLOCK]): its scale to scale_ptr, x / scale
+    in e4m3 to q_row_ptr, as quantize_row would."""
+    scale = _row_scale(amax, scale_ptr)
+    offs = tl.arange(0, BLOCK)
+    for k in range(0, K, BLOCK):
+        mask = (k + offs) < K
+        x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
+        _store_quantized(x, scale, q_row_ptr + k + offs, mask)
 
 
 @triton.jit
@@ -62,14 +88,7 @@ def _quantize_rows_kernel(
     for k in range(0, K, BLOCK_K):
         x = tl.load(x_row + k + offs, mask=(k + offs) < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
-    tl.store(scale_ptr + row, scale)
-    for k in range(0, K, BLOCK_K):
-        mask = (k + offs) < K
-        x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
-        # NOTE: IEEE division, as torch's (Triton's `/` on fp32 is approximate on CUDA)
-        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
-        tl.store(q_ptr + row * K + k + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    quantize_stored_row(x_row, q_ptr + row * K, scale_ptr + row, amax, K, BLOCK_K)
 
 
 def empty_quantized(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -209,8 +209,12 @@ class TritonOps(_Compositions):
             return y if out is None else out.copy_(y)
         return self._base_linear(x, layer, out)
 
+    def _by_gemv(self, rows: int) -> bool:
+        """Whether a projection of `rows` rows runs the batch-1 GEMV (x read as it is)."""
+        return self.config.enable_gemv and rows == 1
+
     def _base_linear(self, x, layer, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.config.enable_gemv and x.shape[0] == 1:
+        if self._by_gemv(x.shape[0]):
             y = self._gemv_linear(x, layer)
         elif isinstance(layer, fp8.Fp8Linear):  # x quantized by token
             xq, xs = self._quantized_rows(x)
@@ -231,7 +235,7 @@ class TritonOps(_Compositions):
         return self._gemv.gemv(x, w, b, self._gemv_tiles.get(shape), **kw)
 
     def linear_silu_mul(self, x, layer: torch.nn.Linear, next_layer=None) -> torch.Tensor:
-        gated = self.config.enable_gemv and self.config.enable_gate_silu and x.shape[0] == 1
+        gated = self._by_gemv(x.shape[0]) and self.config.enable_gate_silu
         if gated and not self.lora_on(layer):  # an adapter's delta comes before the SiLU
             return self._gemv_linear(x, layer, gated=True)
         return super().linear_silu_mul(x, layer, next_layer)
@@ -240,11 +244,15 @@ class TritonOps(_Compositions):
         """Buffers for an op's output quantized by row as it is written, when the projection
         that reads it next quantizes its input so (an fp8 layer, not the batch-1 GEMV) and
         KernelConfig.fuse_fp8_quant: one launch and a read of the output fewer."""
-        if not (self.config.fuse_fp8_quant and isinstance(next_layer, fp8.Fp8Linear)):
-            return None
-        if self.config.enable_gemv and rows == 1:
+        fused = self.config.fuse_fp8_quant and isinstance(next_layer, fp8.Fp8Linear)
+        if not fused or self._by_gemv(rows):
             return None
         return self._fp8_quant.empty_quantized(rows, cols, device)
+
+    def _keep_quantized(self, out: torch.Tensor, quant: tuple | None) -> torch.Tensor:
+        """out, its quantized rows (if written) kept for the projection that reads it."""
+        self._quantized = (out, quant) if quant else None
+        return out
 
     def _quantized_rows(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         """x quantized by row: as the op that wrote x quantized it (then no longer kept), or
@@ -271,7 +279,7 @@ class TritonOps(_Compositions):
         rows = x.shape[0]
         return (
             isinstance(layer, fp8.Fp8Linear) and lo <= rows <= hi and layer.bias is None
-            and not self.lora_on(layer) and not (self.config.enable_gemv and rows == 1)
+            and not self.lora_on(layer) and not self._by_gemv(rows)
         )  # fmt: skip
 
     def qkv_attention(
@@ -293,8 +301,7 @@ class TritonOps(_Compositions):
         """next_layer: the projection that reads the output (_quantize_for)."""
         quant = self._quantize_for(*x.shape, x.device, next_layer)
         out = self._norm.rms_norm(x, weight, eps, use_pdl=self._pdl, quant=quant)
-        self._quantized = (out, quant) if quant else None
-        return out
+        return self._keep_quantized(out, quant)
 
     def add_rms_norm(self, x, residual, weight, eps, next_layer=None):
         # in place on both; an unscaled residual_linear product scaled as it is read
@@ -302,8 +309,7 @@ class TritonOps(_Compositions):
         self._norm.fused_add_rms_norm(
             x, residual, weight, eps, use_pdl=self._pdl, **self._take_scales(x), quant=quant
         )
-        self._quantized = (x, quant) if quant else None
-        return x, residual
+        return self._keep_quantized(x, quant), residual
 
     def rotary_and_write_kv(
         self, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, **scales
@@ -319,8 +325,7 @@ class TritonOps(_Compositions):
     def silu_and_mul(self, x, next_layer=None, **scales) -> torch.Tensor:
         quant = self._quantize_for(x.shape[0], x.shape[1] // 2, x.device, next_layer)
         out = self._act.silu_and_mul(x, use_pdl=self._pdl, **scales, quant=quant)
-        self._quantized = (out, quant) if quant else None
-        return out
+        return self._keep_quantized(out, quant)
 
     def _decode_attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, rope=None):
         """Split-context decode attention under this config: a small batch (`rope`, see
