@@ -478,7 +478,7 @@ def test_scaled_readers_compile_for_hopper():
     """The readers of an unscaled fp8 product (fp8_tensorwise_rows): SiLU-and-mul and the
     fused residual add + RMSNorm with their row and column scales, and the writers of an fp8
     projection's quantized input (fuse_fp8_quant: both RMSNorms and SiLU-and-mul with
-    `quant`; quantize_rows' one-pass row), compile to sm90 cubin with Triton's own ptxas (no
+    `quant`; quantize_rows), compile to sm90 cubin with Triton's own ptxas (no
     GPU needed; the rotary kernel's both ways are in tests/test_fp8_kv_cache.py's compile
     test)."""
     from tests.compiled import run_compiled
@@ -494,7 +494,7 @@ def test_scaled_readers_compile_for_hopper():
          dict(BLOCK_SIZE=16384, USE_PDL=True, SCALED=True, ONE_PASS=True)),
         ("fp8_quant._quantize_rows_kernel",
          dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
-         dict(BLOCK_K=4096, USE_PDL=True, ONE_PASS=True)),
+         dict(BLOCK_K=4096, USE_PDL=True)),
         ("rms_norm._fused_add_rms_norm_kernel",
          dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16", eps="fp32",
               row_scale_ptr="*fp32", col_scale_ptr="*fp32", **quant),

@@ -1,11 +1,11 @@
 """Dynamic per-token FP8 (e4m3) quantization of activations, before `torch._scaled_mm`.
 
-One program a row: a row of up to MAX_BLOCK_K values is read once and held in registers, its
-largest magnitude found and row / scale written in e4m3; a longer row takes two passes (the
-second with the row still in L1/L2). In torch the same takes five launches and a wide fp32
-copy of the row (a prefill's down_proj input is 65,536 x 14,336); here the row is read once
-or twice and written once in one byte an element. The reference is
-lantau.model.fp8.quantize_rows.
+One program a row: a first pass over the row finds its largest magnitude, a second (the row
+still in L1/L2) writes row / scale in e4m3. In torch the same takes five launches and a wide
+fp32 copy of the row (a prefill's down_proj input is 65,536 x 14,336); here the row is read
+twice and written once in one byte an element. NOTE: two passes even where the row would fit
+in registers: holding o_proj's 4,096 values took 4.69 us a launch at 384 rows against 4.11 in
+two passes (H100, RESULTS.md 2026-12-06). The reference is lantau.model.fp8.quantize_rows.
 
 NOTE: a scale per row keeps each token's product independent of the other rows: the CUDA
 graphs' padding rows (decode buckets, mixed-step token buckets) and a batch's make-up change
@@ -73,17 +73,11 @@ def _quantize_rows_kernel(
     stride_xm,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    ONE_PASS: tl.constexpr,  # BLOCK_K >= K: the row read once and held in registers
 ):
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     offs = tl.arange(0, BLOCK_K)
-    if ONE_PASS:
-        mask = offs < K
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        quantize_row(x, q_ptr + row * K, scale_ptr + row, offs, mask)
-        return
     amax = tl.zeros([BLOCK_K], tl.float32)
     for k in range(0, K, BLOCK_K):
         x = tl.load(x_row + k + offs, mask=(k + offs) < K, other=0.0).to(tl.float32)
@@ -122,7 +116,7 @@ def quantize_rows(x: torch.Tensor, use_pdl: bool = True) -> tuple[torch.Tensor, 
         return q, scale.fill_(MIN_SCALE)
     block_k = min(triton.next_power_of_2(k), MAX_BLOCK_K)
     _quantize_rows_kernel[(m,)](
-        x, q, scale, k, x.stride(0), BLOCK_K=block_k, ONE_PASS=block_k >= k,
+        x, q, scale, k, x.stride(0), BLOCK_K=block_k,
         num_warps=min(max(block_k // 512, 1), 8),  # about 16 elements a thread a pass
         **pdl.launch_options(x.device, use_pdl),
     )  # fmt: skip
