@@ -69,19 +69,35 @@ def kernel_gaps(prof) -> dict:
     )
     gaps: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    idle_us, end = 0.0, None
+    # the idle gaps: (us, ms from the first kernel, the kernel before, the kernel after)
+    idle: list[tuple[float, float, str, str]] = []
+    idle_us, end, last = 0.0, None, ""
     for start, stop, name in spans:
         if end is not None and start > end:
             if start - end > GAP_IDLE_US:
                 idle_us += start - end
+                idle.append((start - end, (end - spans[0][0]) / 1e3, last[:60], name[:60]))
             else:
                 gaps[family(name)] += (start - end) / 1e3
                 counts[family(name)] += 1
+        if end is None or stop >= end:
+            last = name
         end = stop if end is None else max(end, stop)
+    pairs: dict[str, list[float]] = defaultdict(list)  # idle us by (kernel before -> after)
+    for us, _, before, after in idle:
+        pairs[f"{before} -> {after}"].append(us)
     return {
         "launch_gaps_ms": {k: round(v, 3) for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])},
         "launch_gap_counts": dict(counts),
         "idle_ms": round(idle_us / 1e3, 3),
+        # where the idle lies: its gaps by the kernels around them (count, ms), and the longest
+        "idle_by_pair": {
+            k: (len(v), round(sum(v) / 1e3, 3))
+            for k, v in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:8]
+        },
+        "idle_longest": [
+            (round(us), round(at, 1), before, after) for us, at, before, after in sorted(idle)[-8:]
+        ],
     }
 
 

@@ -202,9 +202,10 @@ def decode_timing(sizes: list[tuple[int, int]]) -> None:
 
     dev, scale, out = DEV, D**-0.5, {}
     for num_reqs, ctx in sizes:
-        kv = torch.randn(2, num_reqs * ctx // BS, BS, HK, D, device=dev, dtype=torch.bfloat16)
+        blocks_per = -(-ctx // BS)  # a last block partly filled where BS does not divide ctx
+        kv = torch.randn(2, num_reqs * blocks_per, BS, HK, D, device=dev, dtype=torch.bfloat16)
         caches = {"bf16": kv, "fp8": to_fp8(kv)}
-        tables = random_tables(num_reqs, ctx // BS, dev)
+        tables = random_tables(num_reqs, blocks_per, dev)
         lens = torch.full((num_reqs,), ctx, dtype=torch.int32, device=dev)
         q = torch.randn(num_reqs, HQ, D, device=dev, dtype=torch.bfloat16)
         o = torch.empty_like(q)
