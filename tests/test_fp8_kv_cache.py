@@ -120,11 +120,9 @@ def test_unified_attention_fp8_cache(dtype, k_scale, v_scale):
     ("dtype", "k_scale", "v_scale"), [(torch.float32, *SCALES[0]), (torch.bfloat16, *SCALES[1])]
 )
 def test_decode_attention_fp8_cache(monkeypatch, dtype, k_scale, v_scale):
-    """Splits of 32-key tiles (an fp8 cache's: twice the module's 16) ending mid-block, their
-    last partial tiles in 16-key tiles, both merges: v_scale applies to each split's partial
-    before the merge."""
+    """Splits of 32-key tiles (an fp8 cache's: twice the module's 16) ending mid-block, both
+    merges: v_scale applies to each split's partial before the merge."""
     monkeypatch.setattr(da, "_DECODE_BLOCK_N", 16)
-    monkeypatch.setattr(da, "_TAIL_N", 16)
     requests = [(1, 1), (17, 1), (70, 1), (129, 1)]
     b = quantize_batch(make_batch(requests, 6, 2, 32, dtype, seed=3), k_scale, v_scale)
     for num_splits, merge in [
@@ -278,9 +276,9 @@ _SM90_KERNELS = {
              block_tables_ptr="*i32", scale_log2="fp32", v_scale="fp32", k_ptr="*bf16",
              v_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*fp32", slot_ptr="*i64",
              k_inv_scale="fp32", v_inv_scale="fp32"),
-        dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=64, TAIL_N=32,
-             USE_SCRATCH=True, GROUP_P=4, MERGE_CHUNK=0, MERGE_SPLITS=8, DOT_PRECISION="tf32",
-             USE_PDL=True, V_PAIRS=True, USE_ASM=True, ROPE=True),
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_N=64, USE_SCRATCH=True,
+             GROUP_P=4, MERGE_CHUNK=0, MERGE_SPLITS=8, DOT_PRECISION="tf32", USE_PDL=True,
+             V_PAIRS=True, USE_ASM=True, ROPE=True),
     ),
 }  # fmt: skip
 # a large decode batch's launch: no rope, one split

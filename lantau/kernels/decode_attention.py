@@ -45,10 +45,6 @@ from lantau.kernels.attention_tiles import (
 from lantau.kernels.pdl import pdl_wait
 
 _DECODE_BLOCK_N = 64  # keys per iteration (a module constant so tests can shrink it)
-# keys per iteration of a split's last, partial tile (its part past the whole tiles): a
-# 128-key tile half masked cost an fp8 cache ~10 us a layer at 384 x 192 keys on an H100
-# (82.0 against 71.6 us for 32-key tiles throughout; RESULTS.md 2026-12-06)
-_TAIL_N = 32  # at least 16 (a tensor-core tile's side), a power of 2
 # 2 stages, not 3: faster at 384 rows of 1000-2000 keys on an H200, more so with the longest
 # first (the scheduler's order: oldest first)
 _DECODE_STAGES = 2
@@ -227,7 +223,6 @@ def _paged_decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_H: tl.constexpr,  # GROUP padded to a tensor-core tile
     BLOCK_N: tl.constexpr,  # keys per iteration
-    TAIL_N: tl.constexpr,  # keys per iteration past the split's whole tiles (divides BLOCK_N)
     USE_SCRATCH: tl.constexpr,  # False when num_splits == 1: normalise straight into out
     GROUP_P: tl.constexpr,  # GROUP padded to a power of 2 (the merge's rows)
     MERGE_CHUNK: tl.constexpr,  # splits the merge loads at once (0: unrolled, MERGE_SPLITS)
@@ -326,9 +321,8 @@ def _paged_decode_split_kernel(
     else:
         q = tl.load(q_ptr + q_offs, mask=head_mask[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
         q = dot_operand(q, kv_ptr)
-    # whole tiles unmasked, then the split's last, partial tile (if any) in TAIL_N-key tiles
-    # masked to key_end (fewer keys computed only to be masked); a non-empty split's first
-    # tile has a valid key, as attend_tile requires
+    # whole tiles unmasked, then the split's last, partial tile (if any) masked to key_end;
+    # a non-empty split's first tile has a valid key, as attend_tile requires
     full_end = key_start + (key_end - key_start) // BLOCK_N * BLOCK_N
     last_pos = tl.full([BLOCK_H], key_end - 1, tl.int32)  # decode rows see the whole context
     for start_n in range(first, full_end, BLOCK_N):
@@ -337,10 +331,10 @@ def _paged_decode_split_kernel(
             scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
             DOT_PRECISION, V_PAIRS, USE_ASM,
         )  # fmt: skip
-    for start_n in range(tl.maximum(full_end, first), key_end, TAIL_N):
+    for start_n in range(tl.maximum(full_end, first), key_end, BLOCK_N):
         acc, acc_odd, l_i, m_i = _attend(
             acc, acc_odd, l_i, m_i, q, last_pos, k_base, v_base, table, start_n, key_end,
-            scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, TAIL_N, True,
+            scale_log2, stride_kv_block, stride_kv_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
             DOT_PRECISION, V_PAIRS, USE_ASM,
         )  # fmt: skip
     if V_PAIRS:
@@ -513,11 +507,6 @@ def default_tile(kv_cache_dtype: torch.dtype) -> tuple[int, int, int]:
     return _DECODE_BLOCK_N, 4, _DECODE_STAGES
 
 
-def tail_tile(block_n: int) -> int:
-    """Keys per iteration of a split's partial last tile: _TAIL_N, at most the tile's."""
-    return min(_TAIL_N, block_n)
-
-
 def default_merge_chunk(num_splits: int, group: int, head_dim: int) -> int:
     """Splits the in-launch merge loads at once: all of them, up to 8,192 fp32 values of
     partials (64 registers a thread over 4 warps)."""
@@ -605,7 +594,6 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_H=max(MIN_BLOCK_M, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
-        TAIL_N=tail_tile(block_n),
         USE_SCRATCH=use_scratch,
         GROUP_P=triton.next_power_of_2(group),
         MERGE_CHUNK=0 if unrolled else default_merge_chunk(num_splits, group, head_dim),
