@@ -127,6 +127,23 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
             assert graphs.pick(sixteen, 16, turn)[:2] == ("long", turn)
 
 
+def spy_decode_tiles(ops, monkeypatch) -> list:
+    """The tiling (`config`) of each decode attention launch the ops make from now on."""
+    configs = []
+    real = ops._decode
+
+    class Spy:  # the attention module, recording each decode launch's tiling
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def paged_decode_attention(self, *args, **kwargs):
+            configs.append(kwargs["config"])
+            return real.paged_decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "_decode", Spy())
+    return configs
+
+
 def test_a_short_model_captures_one_graph_a_bucket(tiny_llama_dir, monkeypatch):
     """A model shorter than KernelConfig.attn_short_keys (max_model_len 48, the default 1,024
     keys) gets no second, short-context graphs: its one graph a bucket, bounded by the model's
@@ -143,18 +160,7 @@ def test_a_short_model_captures_one_graph_a_bucket(tiny_llama_dir, monkeypatch):
         runner.config, runner.model, runner.kv_caches, runner.device, runner.token_ids
     )
     assert graphs.short_keys(1) == 0 and graphs.short_keys(2) == 0
-    configs = []
-
-    class Spy:  # the attention module, recording each decode launch's tiling
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def paged_decode_attention(self, *args, **kwargs):
-            configs.append(kwargs["config"])
-            return real.paged_decode_attention(*args, **kwargs)
-
-    real = ops._decode
-    monkeypatch.setattr(ops, "_decode", Spy())
+    configs = spy_decode_tiles(ops, monkeypatch)
     for inp in graphs.turns:  # as capture() does
         inp.seq_lens.fill_(1)
         inp.slot_mapping.fill_(-1)
@@ -201,18 +207,7 @@ def test_large_batches_over_an_fp8_cache_take_short_context_graphs(tiny_llama_di
     inp.seq_lens[:16] = torch.arange(9, 25, dtype=torch.int32)
     inp.positions[:16] = inp.seq_lens[:16] - 1
     inp.block_tables[:16, :2] = torch.arange(32, dtype=torch.int32).view(16, 2)
-    configs = []
-
-    class Spy:  # the attention module, recording each decode launch's tiling
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def paged_decode_attention(self, *args, **kwargs):
-            configs.append(kwargs["config"])
-            return real.paged_decode_attention(*args, **kwargs)
-
-    real = ops._decode
-    monkeypatch.setattr(ops, "_decode", Spy())
+    configs = spy_decode_tiles(ops, monkeypatch)
     long_logits, _ = graphs._step(16, None, turn=0)
     short_logits, _ = graphs._step(16, 32, turn=0)
     assert configs == [None] * 2 + [kernels.attn_batch_short_tile] * 2  # a launch a layer
