@@ -136,8 +136,9 @@ def silu_and_mul(
         return out
     scales = (row_scale, col_scale) if scaled else (x, x)
     if quant is not None:
-        one_pass = triton.next_power_of_2(d) <= MAX_QUANT_ROW
-        block_size = triton.next_power_of_2(d) if one_pass else MAX_BLOCK_K
+        width = triton.next_power_of_2(d)
+        one_pass = width <= MAX_QUANT_ROW
+        block_size = width if one_pass else MAX_BLOCK_K
         _silu_and_mul_quant_kernel[(num_tokens,)](
             x, out, *quant, x.stride(0), out.stride(0), d, *scales, BLOCK_SIZE=block_size,
             SCALED=scaled, ONE_PASS=one_pass, **pdl.launch_options(x.device, use_pdl),
