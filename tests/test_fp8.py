@@ -69,7 +69,9 @@ def test_kernels_quantize_their_output_as_written(m, k):
     """RMSNorm, the fused residual add + RMSNorm (also of an unscaled product) and SiLU-and-mul
     with `quant`: their outputs as without it, and the quantized rows' e4m3 bits and scales
     those of quantize_rows on that output (SiLU-and-mul's row held in registers up to 16,384
-    values, in two passes of 4,096-value tiles past that: 16,500)."""
+    values, in two passes of 4,096-value tiles past that: 16,500). With store=False the same
+    quantized rows and nothing else written (SiLU-and-mul's two-pass rows stored all the
+    same: the second pass reads them back)."""
     from lantau.kernels import activation, fp8_quant, rms_norm
 
     gen = torch.Generator().manual_seed(m + k)
@@ -83,10 +85,20 @@ def test_kernels_quantize_their_output_as_written(m, k):
         torch.testing.assert_close(quant[1], s_ref, rtol=0, atol=0)
         assert torch.equal(quant[0].view(torch.uint8), q_ref.view(torch.uint8))
 
+    def check_unstored(quant, op, *args, **kwargs):
+        """op(*args, **kwargs) with store=False quantizes as it did into quant."""
+        alone = fp8_quant.empty_quantized(m, k, "cpu")
+        op(*args, **kwargs, quant=alone, store=False)
+        assert torch.equal(alone[0].view(torch.uint8), quant[0].view(torch.uint8))
+        assert torch.equal(alone[1], quant[1])
+
     quant = fp8_quant.empty_quantized(m, k, "cpu")
     out = rms_norm.rms_norm(x, weight, 1e-5, quant=quant)
     assert torch.equal(out, rms_norm.rms_norm(x, weight, 1e-5))
     check(out, quant)
+    unwritten = torch.full_like(x, 7.0)
+    check_unstored(quant, rms_norm.rms_norm, x, weight, 1e-5, out=unwritten)
+    assert torch.equal(unwritten, torch.full_like(x, 7.0))
     for scales in ({}, dict(row_scale=row_scale, col_scale=col_scale)):
         plain, plain_res = x.clone(), residual.clone()
         rms_norm.fused_add_rms_norm(plain, plain_res, weight, 1e-5, **scales)
@@ -95,6 +107,9 @@ def test_kernels_quantize_their_output_as_written(m, k):
         rms_norm.fused_add_rms_norm(fused, fused_res, weight, 1e-5, **scales, quant=quant)
         assert torch.equal(fused, plain) and torch.equal(fused_res, plain_res)
         check(fused, quant)
+        kept, kept_res = x.clone(), residual.clone()
+        check_unstored(quant, rms_norm.fused_add_rms_norm, kept, kept_res, weight, 1e-5, **scales)
+        assert torch.equal(kept, x) and torch.equal(kept_res, plain_res)
     gate_up = (torch.randn(m, 2 * k, generator=gen) * 2).to(torch.bfloat16)
     col_scale2 = torch.rand(2 * k, generator=gen) + 0.5
     for scales in ({}, dict(row_scale=row_scale, col_scale=col_scale2)):
@@ -102,6 +117,10 @@ def test_kernels_quantize_their_output_as_written(m, k):
         out = activation.silu_and_mul(gate_up, **scales, quant=quant)
         assert torch.equal(out, activation.silu_and_mul(gate_up, **scales))
         check(out, quant)
+        unwritten = torch.full_like(out, 7.0)
+        check_unstored(quant, activation.silu_and_mul, gate_up, unwritten, **scales)
+        stored = k > activation.MAX_QUANT_ROW
+        assert torch.equal(unwritten, out if stored else torch.full_like(out, 7.0))
     with pytest.raises(AssertionError, match="quantized rows must be"):
         rms_norm.rms_norm(x, weight, 1e-5, quant=fp8_quant.empty_quantized(m, k + 1, "cpu"))
 
@@ -489,19 +508,19 @@ def test_scaled_readers_compile_for_hopper():
         ("activation._silu_and_mul_kernel", silu,
          dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True)),
         ("activation._silu_and_mul_quant_kernel", {**silu, **quant},
-         dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=False, ONE_PASS=False)),
+         dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=False, ONE_PASS=False, STORE=True)),
         ("activation._silu_and_mul_quant_kernel", {**silu, **quant},  # 8B's row in registers
-         dict(BLOCK_SIZE=16384, USE_PDL=True, SCALED=True, ONE_PASS=True)),
+         dict(BLOCK_SIZE=16384, USE_PDL=True, SCALED=True, ONE_PASS=True, STORE=False)),
         ("fp8_quant._quantize_rows_kernel",
          dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
          dict(BLOCK_K=4096, USE_PDL=True)),
         ("rms_norm._fused_add_rms_norm_kernel",
          dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16", eps="fp32",
               row_scale_ptr="*fp32", col_scale_ptr="*fp32", **quant),
-         dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True, QUANT=True)),
+         dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True, QUANT=True, STORE=False)),
         ("rms_norm._rms_norm_kernel",
          dict(x_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", eps="fp32", **quant),
-         dict(BLOCK_SIZE=4096, USE_PDL=True, QUANT=True)),
+         dict(BLOCK_SIZE=4096, USE_PDL=True, QUANT=True, STORE=False)),
     ]  # fmt: skip
     code = f"""
 import importlib

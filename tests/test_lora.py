@@ -557,6 +557,36 @@ def test_triton_kernels_give_the_reference_tokens(tiny_llama_dir, adapters, monk
             assert b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4)
 
 
+@pytest.mark.usefixtures("interpreter_fp8_cast")
+def test_adapters_over_fp8_layers_read_the_fused_ops_outputs(tiny_llama_dir, adapters):
+    """fp8 weights with KernelConfig.fuse_fp8_quant: the norms and SiLU-and-mul write only the
+    quantized rows their fp8 projection reads, except where an adapter's delta reads the
+    output too (then stored as well): a batch with an adapter, then the base model alone,
+    gives the unfused engine's tokens and logprobs."""
+    from lantau.config import KernelConfig
+
+    prompts = random_prompts(2, seed=9, max_len=12)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0, lora=name)
+        for name, n in (("all", 3), (None, 6))
+    ]
+    results = {}
+    for fuse in (False, True):
+        llm = LLM(
+            str(tiny_llama_dir), device="cpu", dtype="fp8", num_kv_blocks=64,
+            attention_backend="triton", enforce_eager=True,
+            kernels=KernelConfig(fuse_fp8_quant=fuse, enable_gemv=False),
+            lora_modules=[f"all={adapters['all']}"],
+        )  # fmt: skip
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        results[fuse] = [
+            [(t, lp[t].logprob) for t, lp in zip(o.token_ids, o.logprobs, strict=True)]
+            for o in (out.outputs[0] for out in outputs)
+        ]
+        check_clean(llm)
+    assert results[True] == results[False]
+
+
 def test_warm_up_runs_adapter_rows_and_leaves_nothing_behind(tiny_llama_dir, adapters,
                                                              monkeypatch):  # fmt: skip
     """With adapters served, the warm-up's requests run through one of them too (so the

@@ -5,7 +5,7 @@ to the input dtype, then multiply by the weight and round again, so outputs matc
 bit for bit up to the order of the fp32 sum of squares. The weight is loaded before the PDL wait
 (no kernel writes it). One program normalises one token row held whole in registers; with
 `quant` it also stores the row quantized for an fp8 projection (fp8_quant.quantize_rows' bits,
-without its launch).
+without its launch), and with `store=False` only that (the projection reads nothing else).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def _rms_norm_kernel(
     BLOCK_SIZE: tl.constexpr,  # next power of 2 of hidden_size
     USE_PDL: tl.constexpr,
     QUANT: tl.constexpr,  # the output quantized by row too (fp8_quant.quantize_row)
+    STORE: tl.constexpr,  # the output stored (off: only its quantized rows, with QUANT)
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
@@ -60,7 +61,8 @@ def _rms_norm_kernel(
     weight = _weight_and_wait(weight_ptr, offs, mask, USE_PDL)
     x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
     out = _normalize_row(x, weight, out_ptr, hidden_size, eps)
-    tl.store(out_ptr + row * out_row_stride + offs, out, mask=mask)
+    if STORE:
+        tl.store(out_ptr + row * out_row_stride + offs, out, mask=mask)
     if QUANT:
         quantize_row(out.to(tl.float32), q_ptr + row * hidden_size, q_scale_ptr + row, offs, mask)
 
@@ -82,6 +84,7 @@ def _fused_add_rms_norm_kernel(
     USE_PDL: tl.constexpr,
     SCALED: tl.constexpr,  # x is an unscaled fp8 product: x[t, c] * row_scale[t] * col_scale[c]
     QUANT: tl.constexpr,  # the output quantized by row too (fp8_quant.quantize_row)
+    STORE: tl.constexpr,  # the output stored to x (off: only its quantized rows, with QUANT)
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_SIZE)
@@ -97,7 +100,8 @@ def _fused_add_rms_norm_kernel(
     total = (x + residual).to(residual_ptr.dtype.element_ty)
     tl.store(residual_row + offs, total, mask=mask)
     out = _normalize_row(total.to(tl.float32), weight, x_ptr, hidden_size, eps)
-    tl.store(x_row + offs, out, mask=mask)
+    if STORE:
+        tl.store(x_row + offs, out, mask=mask)
     if QUANT:
         quantize_row(out.to(tl.float32), q_ptr + row * hidden_size, q_scale_ptr + row, offs, mask)
 
@@ -120,9 +124,11 @@ def _num_warps(block_size: int) -> int:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
     use_pdl: bool = True, quant: tuple[torch.Tensor, torch.Tensor] | None = None,
+    store: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """RMSNorm of each row of x (any row stride) into out (new if None); quant (buffers of
-    fp8_quant.empty_quantized): out's rows quantized into them too, as quantize_rows(out)."""
+    fp8_quant.empty_quantized): out's rows quantized into them too, as quantize_rows(out),
+    and with store=False only there (out left unwritten)."""
     # x, out: [num_tokens, hidden_size]; weight: [hidden_size]
     assert weight.dim() == 1 and weight.is_contiguous(), f"weight {tuple(weight.shape)}"
     _check_rows("x", x, weight)
@@ -133,6 +139,7 @@ def rms_norm(
     num_tokens, hidden_size = x.shape
     if quant is not None:
         check_quantized(quant, num_tokens, hidden_size, x.device)
+    assert store or quant is not None, "store=False needs quant"
     if num_tokens == 0:
         return out
     block_size = triton.next_power_of_2(hidden_size)
@@ -147,6 +154,7 @@ def rms_norm(
         *(quant or (x, x)),
         BLOCK_SIZE=block_size,
         QUANT=quant is not None,
+        STORE=store,
         **pdl.launch_options(x.device, use_pdl),
         num_warps=_num_warps(block_size),
     )
@@ -162,12 +170,13 @@ def fused_add_rms_norm(
     row_scale: torch.Tensor | None = None,
     col_scale: torch.Tensor | None = None,
     quant: tuple[torch.Tensor, torch.Tensor] | None = None,
+    store: bool = True,
 ) -> None:
     """In place: residual = x + residual (rounded to its dtype); x = RMSNorm(residual).
     row_scale [num_tokens] and col_scale [hidden_size] (fp32, together): x is an unscaled fp8
     product (a tensor-wise GEMM's), each value multiplied by its row's and its column's scale
     before the add. quant (buffers of fp8_quant.empty_quantized): the new x quantized into them
-    too, as quantize_rows(x)."""
+    too, as quantize_rows(x), and with store=False only there (x left as it was)."""
     # x, residual: [num_tokens, hidden_size], any row strides; weight: [hidden_size]
     assert weight.dim() == 1 and weight.is_contiguous(), f"weight {tuple(weight.shape)}"
     _check_rows("x", x, weight)
@@ -177,6 +186,7 @@ def fused_add_rms_norm(
     scaled = check_unscaled(row_scale, col_scale, num_tokens, hidden_size, x.device)
     if quant is not None:
         check_quantized(quant, num_tokens, hidden_size, x.device)
+    assert store or quant is not None, "store=False needs quant"
     if num_tokens == 0:
         return
     block_size = triton.next_power_of_2(hidden_size)
@@ -194,6 +204,7 @@ def fused_add_rms_norm(
         BLOCK_SIZE=block_size,
         SCALED=scaled,
         QUANT=quant is not None,
+        STORE=store,
         **pdl.launch_options(x.device, use_pdl),
         num_warps=_num_warps(block_size),
     )

@@ -240,18 +240,22 @@ class TritonOps(_Compositions):
             return self._gemv_linear(x, layer, gated=True)
         return super().linear_silu_mul(x, layer, next_layer)
 
-    def _quantize_for(self, rows: int, cols: int, device, next_layer) -> tuple | None:
-        """Buffers for an op's output quantized by row as it is written, when the projection
-        that reads it next quantizes its input so (an fp8 layer, not the batch-1 GEMV) and
-        KernelConfig.fuse_fp8_quant: one launch and a read of the output fewer."""
+    def _quantize_for(self, rows: int, cols: int, device, next_layer) -> dict:
+        """An op's `quant` and `store` arguments: buffers for its output quantized by row as
+        it is written, when the projection that reads it next quantizes its input so (an fp8
+        layer, not the batch-1 GEMV) and KernelConfig.fuse_fp8_quant (one launch and a read of
+        the output fewer); the output itself stored only for an adapter's delta, the one
+        reader of it beside the quantized rows ({}: no quantization, the output stored)."""
         fused = self.config.fuse_fp8_quant and isinstance(next_layer, fp8.Fp8Linear)
         if not fused or self._by_gemv(rows):
-            return None
-        return self._fp8_quant.empty_quantized(rows, cols, device)
+            return {}
+        quant = self._fp8_quant.empty_quantized(rows, cols, device)
+        return dict(quant=quant, store=self.lora_on(next_layer))
 
-    def _keep_quantized(self, out: torch.Tensor, quant: tuple | None) -> torch.Tensor:
-        """out, its quantized rows (if written) kept for the projection that reads it."""
-        self._quantized = (out, quant) if quant else None
+    def _keep_quantized(self, out: torch.Tensor, fused: dict) -> torch.Tensor:
+        """out, its quantized rows (if written: _quantize_for's `fused`) kept for the
+        projection that reads it (then out's values may never have been written)."""
+        self._quantized = (out, fused["quant"]) if fused else None
         return out
 
     def _quantized_rows(self, x) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,17 +303,17 @@ class TritonOps(_Compositions):
 
     def rms_norm(self, x, weight, eps, next_layer=None) -> torch.Tensor:
         """next_layer: the projection that reads the output (_quantize_for)."""
-        quant = self._quantize_for(*x.shape, x.device, next_layer)
-        out = self._norm.rms_norm(x, weight, eps, use_pdl=self._pdl, quant=quant)
-        return self._keep_quantized(out, quant)
+        fused = self._quantize_for(*x.shape, x.device, next_layer)
+        out = self._norm.rms_norm(x, weight, eps, use_pdl=self._pdl, **fused)
+        return self._keep_quantized(out, fused)
 
     def add_rms_norm(self, x, residual, weight, eps, next_layer=None):
         # in place on both; an unscaled residual_linear product scaled as it is read
-        quant = self._quantize_for(*x.shape, x.device, next_layer)
+        fused = self._quantize_for(*x.shape, x.device, next_layer)
         self._norm.fused_add_rms_norm(
-            x, residual, weight, eps, use_pdl=self._pdl, **self._take_scales(x), quant=quant
+            x, residual, weight, eps, use_pdl=self._pdl, **self._take_scales(x), **fused
         )
-        return self._keep_quantized(x, quant), residual
+        return self._keep_quantized(x, fused), residual
 
     def rotary_and_write_kv(
         self, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, **scales
@@ -323,9 +327,9 @@ class TritonOps(_Compositions):
         return q
 
     def silu_and_mul(self, x, next_layer=None, **scales) -> torch.Tensor:
-        quant = self._quantize_for(x.shape[0], x.shape[1] // 2, x.device, next_layer)
-        out = self._act.silu_and_mul(x, use_pdl=self._pdl, **scales, quant=quant)
-        return self._keep_quantized(out, quant)
+        fused = self._quantize_for(x.shape[0], x.shape[1] // 2, x.device, next_layer)
+        out = self._act.silu_and_mul(x, use_pdl=self._pdl, **scales, **fused)
+        return self._keep_quantized(out, fused)
 
     def _decode_attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, rope=None):
         """Split-context decode attention under this config: a small batch (`rope`, see
