@@ -188,6 +188,7 @@ def main() -> None:
             run_model(name, int(rows), workload, table, results, args.graphs)
         except Exception as e:  # the next model still runs
             table.append((name, "FAILED", f"{type(e).__name__}: {str(e)[:90]}"))
+    os.makedirs(OUT, exist_ok=True)  # OUT may name a folder still to make (one a tree)
     with open(os.path.join(OUT, "fp8_kernel_profile.json"), "w") as f:
         json.dump(results, f, indent=1)
     print("\n| what | figure | detail |\n| --- | --- | --- |")

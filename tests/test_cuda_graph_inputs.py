@@ -66,13 +66,9 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
             graphs.stage(inputs, bs, turn)
             before = [ids.clone() for ids in runner.token_ids]
             # the graph run() would pick: the short-context one if every context fits
-            short = int(inputs.seq_lens.max()) <= ops.short_context_keys(
-                bs, runner.kv_caches[0].dtype
-            )
+            short = int(inputs.seq_lens.max()) <= ops.short_context_keys(bs)
             norms.clear()
-            replayed, greedy = graphs._step(
-                bs, ops.short_context_keys(bs, runner.kv_caches[0].dtype) if short else None, turn
-            )
+            replayed, greedy = graphs._step(bs, ops.short_context_keys(bs) if short else None, turn)
             # decode_logits: every layer's add + norm, and the last residual add with the final
             # norm (no separate add, no separate norm launch)
             assert norms == [True] * (2 * num_layers - 1) + [False], norms
@@ -127,23 +123,6 @@ def test_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir, short_ke
             assert graphs.pick(sixteen, 16, turn)[:2] == ("long", turn)
 
 
-def spy_decode_tiles(ops, monkeypatch) -> list:
-    """The tiling (`config`) of each decode attention launch the ops make from now on."""
-    configs = []
-    real = ops._decode
-
-    class Spy:  # the attention module, recording each decode launch's tiling
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def paged_decode_attention(self, *args, **kwargs):
-            configs.append(kwargs["config"])
-            return real.paged_decode_attention(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "_decode", Spy())
-    return configs
-
-
 def test_a_short_model_captures_one_graph_a_bucket(tiny_llama_dir, monkeypatch):
     """A model shorter than KernelConfig.attn_short_keys (max_model_len 48, the default 1,024
     keys) gets no second, short-context graphs: its one graph a bucket, bounded by the model's
@@ -155,12 +134,23 @@ def test_a_short_model_captures_one_graph_a_bucket(tiny_llama_dir, monkeypatch):
     )  # fmt: skip
     runner = llm.engine.core.runner
     ops = runner.model.ops
-    assert ops.short_context_keys(1, torch.float32) == 1024  # the default: on
+    assert ops.short_context_keys(1) == 1024  # the default: on
     graphs = CudaGraphRunner(
         runner.config, runner.model, runner.kv_caches, runner.device, runner.token_ids
     )
     assert graphs.short_keys(1) == 0 and graphs.short_keys(2) == 0
-    configs = spy_decode_tiles(ops, monkeypatch)
+    configs = []
+
+    class Spy:  # the attention module, recording each decode launch's tiling
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def paged_decode_attention(self, *args, **kwargs):
+            configs.append(kwargs["config"])
+            return real.paged_decode_attention(*args, **kwargs)
+
+    real = ops._decode
+    monkeypatch.setattr(ops, "_decode", Spy())
     for inp in graphs.turns:  # as capture() does
         inp.seq_lens.fill_(1)
         inp.slot_mapping.fill_(-1)
@@ -169,49 +159,6 @@ def test_a_short_model_captures_one_graph_a_bucket(tiny_llama_dir, monkeypatch):
     assert logits.shape == (2, runner.model.config.vocab_size) and logits.isfinite().all()
     assert torch.equal(greedy, logits.argmax(dim=-1))
     assert configs and set(configs) == {ops.config.attn_short_tile}
-
-
-def test_large_batches_over_an_fp8_cache_take_short_context_graphs(tiny_llama_dir, monkeypatch):
-    """KernelConfig.attn_batch_short_*: a bucket of at least attn_batch_short_rows rows over
-    an fp8 cache gets a second graph for contexts within attn_batch_short_keys, whose decode
-    attention runs attn_batch_short_tile; its logits are the long graph's (another tiling of
-    the same keys), and an fp32 cache gets no such graph."""
-    kernels = KernelConfig(
-        attn_batch_short_rows=16, attn_batch_short_keys=32, attn_batch_short_tile=(16, 2, 1),
-        enable_gemv=False,
-    )  # fmt: skip
-    llm = LLM(
-        str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=128, max_num_seqs=16,
-        attention_backend="triton", kv_cache_dtype="fp8", kernels=kernels,
-    )  # fmt: skip
-    runner = llm.engine.core.runner
-    ops = runner.model.ops
-    assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
-    graphs = CudaGraphRunner(
-        runner.config, runner.model, runner.kv_caches, runner.device, runner.token_ids
-    )
-    assert graphs.batch_sizes == [1, 2, 4, 8, 16]
-    assert graphs.short_keys(16) == 32
-    assert ops.short_context_keys(8, torch.float8_e4m3fn) == kernels.attn_short_keys  # small
-    assert ops.short_context_keys(16, torch.float32) == 0  # not over a 16- or 32-bit cache
-    assert ops.short_context_keys(12, torch.float8_e4m3fn) == 0  # under attn_batch_short_rows
-    # a 16-row decode step over contexts of 9 to 24 keys of random cached values, on the
-    # graphs' staged buffers; it writes no KV (slot -1), so both graphs read the same cache
-    gen = torch.Generator().manual_seed(3)
-    for cache in runner.kv_caches:
-        cache.copy_(torch.randn(cache.shape, generator=gen).to(cache.dtype))
-    inp = graphs.turns[0]
-    inp.slot_mapping.fill_(-1)
-    inp.pending_src.fill_(-1)
-    inp.input_ids[:16] = torch.randint(3, 512, (16,), generator=gen)
-    inp.seq_lens[:16] = torch.arange(9, 25, dtype=torch.int32)
-    inp.positions[:16] = inp.seq_lens[:16] - 1
-    inp.block_tables[:16, :2] = torch.arange(32, dtype=torch.int32).view(16, 2)
-    configs = spy_decode_tiles(ops, monkeypatch)
-    long_logits, _ = graphs._step(16, None, turn=0)
-    short_logits, _ = graphs._step(16, 32, turn=0)
-    assert configs == [None] * 2 + [kernels.attn_batch_short_tile] * 2  # a launch a layer
-    torch.testing.assert_close(short_logits, long_logits, rtol=1e-5, atol=1e-5)
 
 
 def test_mixed_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
