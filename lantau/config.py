@@ -236,13 +236,6 @@ class KernelConfig:
     attn_small_tile: Tile = (64, 8, 2)
     attn_short_tile: Tile = (64, 8, 1)
     attn_short_keys: int = 1024  # 0: no short-context graphs
-    # decode batches of at least attn_batch_short_rows rows over an fp8 cache whose contexts
-    # all fit attn_batch_short_keys: their own CUDA graphs, in attn_batch_short_tile (the fp8
-    # cache's 128-key tile computes a 192-key context as 256: on an H100 at 384 x 160 / 192
-    # keys (32, 2, 2) took 63.4 / 71.6 us a layer against 79.8 / 82.0, RESULTS.md 2026-12-06)
-    attn_batch_short_tile: Tile = (32, 2, 2)
-    attn_batch_short_keys: int = 256  # 0: none
-    attn_batch_short_rows: int = 128
     attn_merge: AttnMerge = AttnMerge.CHUNKED
     attn_small_merge: AttnMerge = AttnMerge.UNROLLED
     # decode attention's splits of each context (None: paged_decode_attention's heuristic)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lantau.config import KernelConfig, Tile
+from lantau.config import KernelConfig
 from lantau.kernels import reference as ref
 from lantau.kernels import require_triton
 from lantau.kv_cache.manager import cdiv
@@ -114,7 +114,7 @@ class TorchOps(_Compositions):
     name = "torch"
 
     @staticmethod
-    def short_context_keys(num_rows: int, cache_dtype: torch.dtype) -> int:
+    def short_context_keys(num_rows: int) -> int:
         return 0  # one attention for every context length
 
     # weight[ids]: [num_tokens, hidden]; with pick_src, row i's id is prev_ids[pick_src[i]]
@@ -334,41 +334,24 @@ class TritonOps(_Compositions):
     def _decode_attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, rope=None):
         """Split-context decode attention under this config: a small batch (`rope`, see
         paged_decode_attention) with the small tile and merge, or the short tile in one-tile
-        splits when every context fits attn_short_keys; a large batch over an fp8 cache in
-        attn_batch_short_tile when every context fits attn_batch_short_keys. Returns
-        [num_reqs, num_heads, head_dim]."""
+        splits when every context fits attn_short_keys. Returns [num_reqs, num_heads, head_dim]."""
         c = self.config
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tile, num_splits, merge = None, c.attn_num_splits, c.attn_merge
         if rope is not None:
             tile, merge = c.attn_small_tile, c.attn_small_merge
-        short_keys, short_tile = self._short_context(q.shape[0], kv_cache.dtype)
-        if short_keys >= meta.max_seq_len:
-            tile = short_tile
-            if rope is not None:  # one tile a split
-                num_splits = cdiv(short_keys, short_tile[0])
+            if self.short_context_keys(q.shape[0]) >= meta.max_seq_len:
+                tile, num_splits = c.attn_short_tile, cdiv(c.attn_short_keys, c.attn_short_tile[0])
         self._decode.paged_decode_attention(
             q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
             num_splits=num_splits, config=tile, merge=merge, rope=rope, use_pdl=self._pdl,
         )  # fmt: skip
         return out
 
-    def _short_context(self, num_rows: int, cache_dtype: torch.dtype) -> tuple[int, Tile]:
-        """(keys, tile): the context length up to which a decode batch of num_rows rows over
-        a cache of cache_dtype takes another tile (0: none), and that tile: attn_short_tile
-        for a small batch, attn_batch_short_tile for a large one over an fp8 cache."""
-        c = self.config
-        if num_rows <= c.attn_small_rows:
-            return c.attn_short_keys, c.attn_short_tile
-        if num_rows >= c.attn_batch_short_rows and cache_dtype == torch.float8_e4m3fn:
-            return c.attn_batch_short_keys, c.attn_batch_short_tile
-        return 0, c.attn_batch_short_tile
-
-    def short_context_keys(self, num_rows: int, cache_dtype: torch.dtype) -> int:
-        """The context length up to which a decode batch of num_rows rows over a cache of
-        cache_dtype takes another tile (0: none; _short_context). CUDA graphs capture such
-        batches apart."""
-        return self._short_context(num_rows, cache_dtype)[0]
+    def short_context_keys(self, num_rows: int) -> int:
+        """The context length up to which a decode batch of num_rows rows takes
+        attn_short_tile (0: none): CUDA graphs capture such batches apart."""
+        return self.config.attn_short_keys if num_rows <= self.config.attn_small_rows else 0
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_decode_only:

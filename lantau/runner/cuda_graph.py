@@ -20,10 +20,10 @@ step's inputs go to the other turn's buffer on a copy stream while the current g
 and the sampled ids go to the host on the sampler's own stream while the next graph runs.
 Between two replays the stream then holds only event records and waits.
 
-A small bucket, and over an fp8 cache a large one, can have a second graph for batches whose
-contexts are all short (`ops.short_context_keys`): its attention is captured with another
-tiling, and each step replays the one its longest context allows. A model no longer than
-that has one graph a bucket, which takes the short tiling itself.
+A small bucket can have a second graph for batches whose contexts are all short
+(`ops.short_context_keys`): its attention is captured with another tiling, and each step
+replays the one its longest context allows. A model no longer than that has one graph a
+bucket, which takes the short tiling itself.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ class CudaGraphRunner:
         """The context length up to which bucket bs has a short-context graph (0: none): the
         ops' (short_context_keys), if below the model's length. At or above it, the bucket's
         one graph, bounded by the model's length, takes the short config itself."""
-        keys = self.model.ops.short_context_keys(bs, self.kv_caches[0].dtype)
+        keys = self.model.ops.short_context_keys(bs)
         return keys if keys < self.max_seq_len else 0
 
     def pick(
