@@ -35,6 +35,7 @@ import argparse
 import gc
 import itertools
 import json
+import statistics
 import time
 import traceback
 
@@ -376,7 +377,8 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
             f"target {TARGETS.get(label.split()[0], '-')}; gpu {stats['gpu_util_pct']}%, "
             f"p95 e2e {stats['e2e_p95_s']} s, at {elapsed():.0f} s; steps "
             + ", ".join(
-                f"{kind} {k['steps']} x {k['ms']} ms ({k['reqs']} reqs, {k['tokens']} tokens)"
+                f"{kind} {k['steps']} x {k['ms']} ms (p50 {k['p50_ms']}, {k['slow']} slow "
+                f"+{k['slow_s']} s, {k['late']} late; {k['reqs']} reqs, {k['tokens']} tokens)"
                 for kind, k in stats["steps"].items()
             ),
         )
@@ -386,21 +388,36 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
 
 def step_times(records: list[dict]) -> dict:
     """The run's steps by kind (decode: one token a request; mixed: prompt tokens in it): count,
-    wall seconds, mean ms, requests and tokens. A step's time is the gap between the launches
-    after it: with overlapped steps the call that launches step i + 1 first waits for step i - 1
-    (offline runs are device-bound, so the gaps are the device's step times, one step late)."""
+    wall seconds, mean and median ms, requests and tokens. A step's time is the gap between the
+    launches after it: with overlapped steps the call that launches step i + 1 first waits for
+    step i - 1 (device-bound runs: the gaps are the device's step times, one step late). Where
+    the mean exceeds the median: `slow` steps (over twice the median) and the seconds they
+    took past it (a stall: the host away, not the device), `late` calls that found the step
+    before already done (the device idle until this launch), and the host's mean ms a call
+    (`call_ms`: scheduling, launch, the wait, collecting and updating)."""
     from lantau.bench.step_log import step_kind
 
     kinds: dict[str, dict] = {}
+    times: dict[str, list[float]] = {}
     for before, (a, b) in zip(records, itertools.pairwise(records[1:]), strict=False):
-        k = kinds.setdefault(step_kind(before), {"steps": 0, "s": 0.0, "reqs": 0, "tokens": 0})
+        kind = step_kind(before)
+        k = kinds.setdefault(
+            kind, {"steps": 0, "s": 0.0, "reqs": 0, "tokens": 0, "late": 0, "call_ms": 0.0}
+        )
         k["steps"] += 1
         k["s"] += b["t"] - a["t"]
         k["reqs"] += before["reqs"]
         k["tokens"] += before["tokens"]
-    for k in kinds.values():
+        k["late"] += not b.get("waited", True)
+        k["call_ms"] += b.get("call_ms", 0.0)
+        times.setdefault(kind, []).append(b["t"] - a["t"])
+    for kind, k in kinds.items():
         n = k["steps"]
+        p50 = statistics.median(times[kind])
+        slow = [t - p50 for t in times[kind] if t > 2 * p50]
         k.update(ms=round(1e3 * k["s"] / n, 2), s=round(k["s"], 2), reqs=k["reqs"] // n)
+        k.update(p50_ms=round(1e3 * p50, 2), max_ms=round(1e3 * max(times[kind]), 2))
+        k.update(slow=len(slow), slow_s=round(sum(slow), 3), call_ms=round(k["call_ms"] / n, 2))
         k["tokens"] //= n
     return kinds
 
