@@ -42,6 +42,8 @@ import traceback
 import torch
 from _stages import Stages, rel_err
 
+from lantau.metrics.gc_pauses import GcPauses
+
 section = Stages()
 section.budget_s = 480.0  # --budget-s
 RESULTS, TABLE, elapsed = section.results, section.table, section.elapsed
@@ -357,12 +359,21 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
     def record_steps():
         core.on_step = records.append
 
+    pauses = GcPauses().install()  # the host's collections during the run (a stall each)
     try:
         stats = run_lantau(llm, w, on_start=record_steps).summary()
     finally:
         core.on_step = None
+        pauses.uninstall()
     stats["num_prompts_default"] = default_n
     stats["steps"] = step_times(records)
+    collected = pauses.drain()
+    stats["gc"] = {
+        "collections": len(collected),
+        "s": round(sum(s for _, s in collected), 3),
+        "max_ms": round(1e3 * max((s for _, s in collected), default=0.0), 2),
+        "full": sum(g == 2 for g, _ in collected),
+    }
     RESULTS[label] = stats
     print(label, json.dumps(stats), flush=True)
     trimmed = f" (of {default_n})" if w.num_prompts < default_n else ""
@@ -375,7 +386,8 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
             f"{label} x{w.num_prompts}{trimmed}",
             fig,
             f"target {TARGETS.get(label.split()[0], '-')}; gpu {stats['gpu_util_pct']}%, "
-            f"p95 e2e {stats['e2e_p95_s']} s, at {elapsed():.0f} s; steps "
+            f"p95 e2e {stats['e2e_p95_s']} s, at {elapsed():.0f} s; gc {stats['gc']['s']} s "
+            f"(longest {stats['gc']['max_ms']} ms); steps "
             + ", ".join(
                 f"{kind} {k['steps']} x {k['ms']} ms (p50 {k['p50_ms']}, {k['slow']} slow "
                 f"+{k['slow_s']} s, {k['late']} late; {k['reqs']} reqs, {k['tokens']} tokens)"
