@@ -404,8 +404,9 @@ def step_times(records: list[dict]) -> dict:
     launches after it: with overlapped steps the call that launches step i + 1 first waits for
     step i - 1 (device-bound runs: the gaps are the device's step times, one step late). Where
     the mean exceeds the median: `slow` steps (over twice the median) and the seconds they
-    took past it (a stall: the host away, not the device), `late` calls that found the step
-    before already done (the device idle until this launch), and the host's mean ms a call
+    took past it (a stall: the host away, not the device), `late` calls whose collect found the
+    step before already done (the host the slower side there: the device may have idled
+    before the call's launch), and the host's mean ms a call
     (`call_ms`: scheduling, launch, the wait, collecting and updating)."""
     from lantau.bench.step_log import step_kind
 
