@@ -390,7 +390,7 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
             f"(longest {stats['gc']['max_ms']} ms); steps "
             + ", ".join(
                 f"{kind} {k['steps']} x {k['ms']} ms (p50 {k['p50_ms']}, {k['slow']} slow "
-                f"+{k['slow_s']} s, {k['late']} late; {k['reqs']} reqs, {k['tokens']} tokens)"
+                f"+{k['slow_s']} s, {k['behind']} behind; {k['reqs']} reqs, {k['tokens']} tokens)"
                 for kind, k in stats["steps"].items()
             ),
         )
@@ -404,9 +404,9 @@ def step_times(records: list[dict]) -> dict:
     launches after it: with overlapped steps the call that launches step i + 1 first waits for
     step i - 1 (device-bound runs: the gaps are the device's step times, one step late). Where
     the mean exceeds the median: `slow` steps (over twice the median) and the seconds they
-    took past it (a stall: the host away, not the device), `late` calls whose collect found the
-    step before already done (the host the slower side there: the device may have idled
-    before the call's launch), and the host's mean ms a call
+    took past it (a stall: the host away, not the device), `behind`: the steps that had ended
+    (their ids copied) before the next step's launch, so the device idled in between (the
+    host the slower side), and the host's mean ms a call
     (`call_ms`: scheduling, launch, the wait, collecting and updating)."""
     from lantau.bench.step_log import step_kind
 
@@ -415,13 +415,13 @@ def step_times(records: list[dict]) -> dict:
     for before, (a, b) in zip(records, itertools.pairwise(records[1:]), strict=False):
         kind = step_kind(before)
         k = kinds.setdefault(
-            kind, {"steps": 0, "s": 0.0, "reqs": 0, "tokens": 0, "late": 0, "call_ms": 0.0}
+            kind, {"steps": 0, "s": 0.0, "reqs": 0, "tokens": 0, "behind": 0, "call_ms": 0.0}
         )
         k["steps"] += 1
         k["s"] += b["t"] - a["t"]
         k["reqs"] += before["reqs"]
         k["tokens"] += before["tokens"]
-        k["late"] += not b.get("waited", True)
+        k["behind"] += a.get("behind", False)  # the launch after this step came late
         k["call_ms"] += b.get("call_ms", 0.0)
         times.setdefault(kind, []).append(b["t"] - a["t"])
     for kind, k in kinds.items():

@@ -521,7 +521,8 @@ def test_report_without_matplotlib(tmp_path, monkeypatch, caplog):
 
 def test_step_log_summary_is_exact():
     """A scripted step log: each step's device time comes from the record of the step that
-    collected it; the busy share and each kind's means are exact."""
+    collected it; the busy share, each kind's means and its steps launched behind (the step
+    before already over) are exact."""
     from lantau.bench.step_log import summarize_steps
 
     def rec(step, t, reqs, tokens, decodes, timed=None, ms=None, host=0.5):
@@ -532,15 +533,16 @@ def test_step_log_summary_is_exact():
     records = [
         rec(1, 0.00, 1, 100, 0, host=1.5),  # a prompt: mixed, 100 tokens (the 128 bucket)
         rec(2, 0.01, 2, 2, 2, timed=1, ms=8.0),
-        rec(3, 0.02, 2, 2, 2, timed=2, ms=4.0),
+        {**rec(3, 0.02, 2, 2, 2, timed=2, ms=4.0), "behind": True},
         rec(4, 0.03, 0, 0, 0, timed=3, ms=3.0),  # only collects step 3
         {**rec(1, 0.02, 1, 1, 1, timed=9, ms=50.0), "pid": 8},  # another core's
     ]
     s = summarize_steps(records[:4], 0.0, 0.04)
     assert s["steps"] == 4 and s["device_busy_share"] == (8.0 + 4.0 + 3.0) / 1e3 / 0.04
     assert s["by_kind"]["mixed"] == {"steps": 1, "reqs": 1, "tokens": 100, "device_ms": 8.0,
-                                     "host_ms": 1.5, "call_ms": 3.0}  # fmt: skip
+                                     "host_ms": 1.5, "call_ms": 3.0, "behind": 0}  # fmt: skip
     assert s["by_kind"]["decode"]["device_ms"] == 3.5 and s["by_kind"]["decode"]["steps"] == 2
+    assert s["by_kind"]["decode"]["behind"] == 1
     assert s["by_kind"]["empty"]["device_ms"] is None  # collected by no later step
     assert s["mixed_device_ms_by_tokens"] == {"128": {"steps": 1, "device_ms": 8.0}}
     # a window: the steps that began in it; another core's steps and times stay its own

@@ -447,6 +447,7 @@ def test_on_step_records_every_step(tiny_llama_dir, async_scheduling):
     assert sum(r["decodes"] for r in records) == 2 * 4  # the 5th token: the last step's sample
     assert max(r["tokens"] - r["decodes"] for r in records) <= 3 + 3  # chunks of at most 4
     assert all(r["device_ms"] is None and 0 <= r["host_ms"] <= r["call_ms"] for r in records)
+    assert not any(r["behind"] for r in records)  # no copies to find done on the CPU
 
 
 def test_waiting_prompts_take_the_seats_of_requests_ending_in_flight(tiny_llama_dir):

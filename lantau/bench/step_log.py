@@ -34,8 +34,9 @@ def _mean(values: list[float]) -> float | None:
 
 def summarize_steps(records: list[dict], start: float, end: float) -> dict:
     """The steps that began in [start, end] (time.monotonic()): the device's busy share, and
-    by kind their count, mean requests and tokens, device ms (where timed) and host ms; the
-    mixed steps' device ms by 64-token bucket too."""
+    by kind their count, mean requests and tokens, device ms (where timed), host ms and how
+    many were launched `behind` (the step before already over: the device idled for the
+    host); the mixed steps' device ms by 64-token bucket too."""
     steps = [r for r in records if start <= r["t"] <= end]
     device_ms = {
         (r["pid"], r["timed_step"]): r["device_ms"]
@@ -60,6 +61,7 @@ def summarize_steps(records: list[dict], start: float, end: float) -> dict:
             "device_ms": _mean(ms),
             "host_ms": _mean([r["host_ms"] for r in rows]),
             "call_ms": _mean([r["call_ms"] for r in rows]),
+            "behind": sum(bool(r.get("behind")) for r in rows),
         }
     for r in steps:
         ms = device_ms.get((r["pid"], r["step"]))
@@ -80,5 +82,6 @@ def describe(summary: dict) -> str:
     for kind, k in summary["by_kind"].items():
         device = f", device {k['device_ms']} ms" if k["device_ms"] is not None else ""
         parts.append(f"{kind} {k['steps']} x {k['reqs']} reqs / {k['tokens']} tokens{device}, "
-                     f"host {k['host_ms']} ms, call {k['call_ms']} ms")  # fmt: skip
+                     f"host {k['host_ms']} ms, call {k['call_ms']} ms, "
+                     f"{k.get('behind', 0)} launched behind")  # fmt: skip
     return "; ".join(parts)

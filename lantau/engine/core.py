@@ -252,6 +252,13 @@ class EngineCore:
         self.last_batch_size = len(out.num_scheduled_tokens)
         self.last_num_batched_tokens = out.total_num_scheduled_tokens
         timer = StepTimer() if self.pacer is not None else None
+        # for the step log: the step in flight had ended, its ids copied, before this launch
+        # (the device idle until it: the host the slower side)
+        behind = (
+            self.on_step is not None
+            and self._in_flight is not None
+            and (self._in_flight[1].sampled.copied())
+        )
         step = self.runner.launch(out)
         launched_at = time.monotonic()
         if not self.async_scheduling:  # one step at a time: its own outputs
@@ -259,7 +266,7 @@ class EngineCore:
             outputs = self._update(out, step)
             self.num_steps += 1
             if self.on_step is not None:
-                self.on_step(self._step_record(out, started, launched_at, True, None))
+                self.on_step(self._step_record(out, started, launched_at, True, None, False))
             return outputs
         key = step_key(self.last_batch_size, self.last_num_batched_tokens)
         outputs, self._collected_early = self._collected_early, []
@@ -281,13 +288,16 @@ class EngineCore:
                 self._timed = (key, timer, self.num_steps)
             self.pacer.collected(done_at, waited, key if self._in_flight else None)
         if self.on_step is not None:
-            self.on_step(self._step_record(out, started, launched_at, waited, timed))
+            self.on_step(self._step_record(out, started, launched_at, waited, timed, behind))
         return outputs
 
-    def _step_record(self, out: SchedulerOutput, started, launched_at, waited, timed) -> dict:
+    def _step_record(
+        self, out: SchedulerOutput, started, launched_at, waited, timed, behind: bool
+    ) -> dict:
         """One step: when it began (time.monotonic()), the host's time to launch it and the
         whole call's (with overlapped steps, the wait for the step before included), its
-        batch; and the device time of the step it collected (CUDA events, when paced)."""
+        batch; whether the step before had ended before its launch; and the device time of
+        the step it collected (CUDA events, when paced)."""
         now = time.monotonic()
         return {
             "step": self.num_steps,
@@ -299,6 +309,7 @@ class EngineCore:
             "decodes": sum(1 for n in out.num_scheduled_tokens.values() if n == 1),
             "new": len(out.scheduled_new_reqs),
             "waited": waited,  # the host waited for the step before: the device was busy
+            "behind": behind,  # the step before had ended before this launch: the device idled
             "timed_step": timed[0] if timed else None,
             "device_ms": round(1e3 * timed[1], 3) if timed and timed[1] is not None else None,
         }

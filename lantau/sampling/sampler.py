@@ -307,6 +307,10 @@ class PendingSample:
     event: torch.cuda.Event | None = field(default=None, repr=False)
     waited: bool = False  # resolve() found the copies not done (the host waited for the step)
 
+    def copied(self) -> bool:
+        """Whether its copies have completed already (False on the CPU: no copies)."""
+        return self.event is not None and self.event.query()
+
     def resolve(self) -> SamplerOutput:
         """Wait for this sample's copies only (not for work queued after it)."""
         if self.event is not None:
