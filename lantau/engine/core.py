@@ -254,11 +254,8 @@ class EngineCore:
         timer = StepTimer() if self.pacer is not None else None
         # for the step log: the step in flight had ended, its ids copied, before this launch
         # (the device idle until it: the host the slower side)
-        behind = (
-            self.on_step is not None
-            and self._in_flight is not None
-            and (self._in_flight[1].sampled.copied())
-        )
+        in_flight = self._in_flight if self.on_step is not None else None
+        behind = in_flight is not None and in_flight[1].sampled.copied()
         step = self.runner.launch(out)
         launched_at = time.monotonic()
         if not self.async_scheduling:  # one step at a time: its own outputs
