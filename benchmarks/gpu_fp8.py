@@ -410,28 +410,28 @@ def step_times(records: list[dict]) -> dict:
     (`call_ms`: scheduling, launch, the wait, collecting and updating)."""
     from lantau.bench.step_log import step_kind
 
-    kinds: dict[str, dict] = {}
-    times: dict[str, list[float]] = {}
+    by_kind: dict[str, list[tuple[dict, dict, dict]]] = {}
     for before, (a, b) in zip(records, itertools.pairwise(records[1:]), strict=False):
-        kind = step_kind(before)
-        k = kinds.setdefault(
-            kind, {"steps": 0, "s": 0.0, "reqs": 0, "tokens": 0, "behind": 0, "call_ms": 0.0}
-        )
-        k["steps"] += 1
-        k["s"] += b["t"] - a["t"]
-        k["reqs"] += before["reqs"]
-        k["tokens"] += before["tokens"]
-        k["behind"] += a.get("behind", False)  # the launch after this step came late
-        k["call_ms"] += b.get("call_ms", 0.0)
-        times.setdefault(kind, []).append(b["t"] - a["t"])
-    for kind, k in kinds.items():
-        n = k["steps"]
-        p50 = statistics.median(times[kind])
-        slow = [t - p50 for t in times[kind] if t > 2 * p50]
-        k.update(ms=round(1e3 * k["s"] / n, 2), s=round(k["s"], 2), reqs=k["reqs"] // n)
-        k.update(p50_ms=round(1e3 * p50, 2), max_ms=round(1e3 * max(times[kind]), 2))
-        k.update(slow=len(slow), slow_s=round(sum(slow), 3), call_ms=round(k["call_ms"] / n, 2))
-        k["tokens"] //= n
+        by_kind.setdefault(step_kind(before), []).append((before, a, b))
+    kinds: dict[str, dict] = {}
+    for kind, steps in by_kind.items():
+        n = len(steps)
+        times = [b["t"] - a["t"] for _, a, b in steps]
+        p50 = statistics.median(times)
+        slow = [t - p50 for t in times if t > 2 * p50]
+        kinds[kind] = {
+            "steps": n,
+            "s": round(sum(times), 2),
+            "reqs": sum(before["reqs"] for before, _, _ in steps) // n,
+            "tokens": sum(before["tokens"] for before, _, _ in steps) // n,
+            "behind": sum(a["behind"] for _, a, _ in steps),  # the launch after it came late
+            "call_ms": round(sum(b["call_ms"] for _, _, b in steps) / n, 2),
+            "ms": round(1e3 * sum(times) / n, 2),
+            "p50_ms": round(1e3 * p50, 2),
+            "max_ms": round(1e3 * max(times), 2),
+            "slow": len(slow),
+            "slow_s": round(sum(slow), 3),
+        }
     return kinds
 
 

@@ -83,5 +83,5 @@ def describe(summary: dict) -> str:
         device = f", device {k['device_ms']} ms" if k["device_ms"] is not None else ""
         parts.append(f"{kind} {k['steps']} x {k['reqs']} reqs / {k['tokens']} tokens{device}, "
                      f"host {k['host_ms']} ms, call {k['call_ms']} ms, "
-                     f"{k.get('behind', 0)} launched behind")  # fmt: skip
+                     f"{k['behind']} launched behind")  # fmt: skip
     return "; ".join(parts)
