@@ -559,10 +559,10 @@ def test_triton_kernels_give_the_reference_tokens(tiny_llama_dir, adapters, monk
 
 @pytest.mark.usefixtures("interpreter_fp8_cast")
 def test_adapters_over_fp8_layers_read_the_fused_ops_outputs(tiny_llama_dir, adapters):
-    """fp8 weights with KernelConfig.fuse_fp8_quant: the norms and SiLU-and-mul write only the
-    quantized rows their fp8 projection reads, except where an adapter's delta reads the
-    output too (then stored as well): a batch with an adapter, then the base model alone,
-    gives the unfused engine's tokens and logprobs."""
+    """fp8 weights with KernelConfig.fuse_fp8_quant: the norms write only the quantized rows
+    their fp8 projection reads, except where an adapter's delta reads the output too (then
+    stored as well): a batch with an adapter, then the base model alone, gives the unfused
+    engine's tokens and logprobs."""
     from lantau.config import KernelConfig
 
     prompts = random_prompts(2, seed=9, max_len=12)
