@@ -355,9 +355,16 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
         print(f"{label}: {num_prompts} prompts, trimmed from {default_n}", flush=True)
     records: list[dict] = []
     core = llm.engine.core
+    heap = {}  # the collector's view: objects frozen at the start and mid-run, gen 2's size
+
+    def record(step: dict) -> None:
+        records.append(step)
+        if len(records) == 100:
+            heap.update(frozen_mid=gc.get_freeze_count(), gen2_mid=len(gc.get_objects(2)))
 
     def record_steps():
-        core.on_step = records.append
+        heap["frozen_at_start"] = gc.get_freeze_count()
+        core.on_step = record
 
     pauses = GcPauses().install()  # the host's collections during the run (a stall each)
     try:
@@ -373,6 +380,7 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
         "s": round(sum(s for _, s in collected), 3),
         "max_ms": round(1e3 * max((s for _, s in collected), default=0.0), 2),
         "full": sum(g == 2 for g, _ in collected),
+        **heap,
     }
     RESULTS[label] = stats
     print(label, json.dumps(stats), flush=True)
