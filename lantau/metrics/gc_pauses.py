@@ -45,9 +45,10 @@ class FrozenWhileBusy:
 
     A heap someone else froze first (a served process's start-up, or the interpreter's
     environment) is frozen all the same while busy, everything made since their freeze
-    included, and stays frozen when idle: their freeze is not ours to undo. NOTE: skipping
-    the freeze then, as this did before, left W3-fp8-128 on an H100 with 5 full collections
-    of up to 226 ms in a 12 s run (RESULTS.md 2026-12-06)."""
+    included, and stays frozen when idle: their freeze is not ours to undo. NOTE: an H100
+    run of W3-fp8-128 had 5 full collections of up to 226 ms in 12 s (RESULTS.md 2026-12-06)
+    where CPU runs freeze theirs; skipping the freeze after someone else's, as this did
+    before, is the one way seen in the code for the heap to stay unfrozen (not yet measured)."""
 
     def __init__(self) -> None:
         self.frozen = False
