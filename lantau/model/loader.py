@@ -136,11 +136,18 @@ class PendingWeights:
             raise self._error
 
 
+# reading threads of a load beside the CUDA graphs' capture: with min(jobs, CPUs, 16) (16 on
+# an H100 host) the capture took 9.4-10.2 s and the weights 7.7-7.8, with 4 7.9-8.1 and
+# 7.4; `lantau serve --model-repository` of an 8B engine folder ready in 19.56 s against 20.73
+# (median of 2, cold page cache, H100, RESULTS.md 2026-12-06)
+BACKGROUND_LOAD_THREADS = 4
+
+
 def load_in_background(model: LlamaForCausalLM, source: ModelSource) -> PendingWeights:
-    """An engine folder's weights loading into `model` (built with load=False) on a thread:
-    meanwhile the caller may run what needs the parameters' memory but not their values (the
-    KV-cache profile, CUDA graph capture), and must wait for it before anything whose results
-    matter."""
+    """An engine folder's weights loading into `model` (built with load=False) on
+    BACKGROUND_LOAD_THREADS threads: meanwhile the caller may run what needs the parameters'
+    memory but not their values (the KV-cache profile, CUDA graph capture), and must wait for
+    it before anything whose results matter."""
     from lantau.model.engine_loader import load_engine_weights
     from lantau.model.manifest import read_manifest
 
@@ -151,5 +158,7 @@ def load_in_background(model: LlamaForCausalLM, source: ModelSource) -> PendingW
     if device.type == "cuda":  # the construction's kernels end before copies land
         torch.cuda.synchronize(device)
     return PendingWeights(
-        lambda: load_engine_weights(model, source.path, manifest, synchronize=False)
+        lambda: load_engine_weights(
+            model, source.path, manifest, synchronize=False, num_threads=BACKGROUND_LOAD_THREADS
+        )
     )
