@@ -136,10 +136,10 @@ class PendingWeights:
             raise self._error
 
 
-# reading threads of a load beside the CUDA graphs' capture: with min(jobs, CPUs, 16) (16 on
-# an H100 host) the capture took 9.4-10.2 s and the weights 7.7-7.8, with 4 7.9-8.1 and
-# 7.4; `lantau serve --model-repository` of an 8B engine folder ready in 19.56 s against 20.73
-# (median of 2, cold page cache, H100, RESULTS.md 2026-12-06)
+# reading threads of a load beside the CUDA graphs' capture: on 16 (min(jobs, CPUs, 16) on an
+# H100 host) the capture took 9.4-10.2 s and the weights 7.7-7.8 s; on 4, 7.9-8.1 s and 7.4 s,
+# and `lantau serve --model-repository` of an 8B engine folder was ready in 19.56 s against
+# 20.73 (median of 2, cold page cache, H100, RESULTS.md 2026-12-06)
 BACKGROUND_LOAD_THREADS = 4
 
 

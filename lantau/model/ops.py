@@ -328,8 +328,8 @@ class TritonOps(_Compositions):
 
     def silu_and_mul(self, x, next_layer=None, **scales) -> torch.Tensor:
         fused = self._quantize_for(x.shape[0], x.shape[1] // 2, x.device, next_layer)
-        quant = {"quant": fused["quant"]} if fused else {}  # stored always: activation.py
-        out = self._act.silu_and_mul(x, use_pdl=self._pdl, **scales, **quant)
+        # its output stored whatever fused["store"] says (activation.py's NOTE)
+        out = self._act.silu_and_mul(x, use_pdl=self._pdl, **scales, quant=fused.get("quant"))
         return self._keep_quantized(out, fused)
 
     def _decode_attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, rope=None):
