@@ -52,14 +52,18 @@ def free_port() -> int:
 
 
 def launch_until_ready(
-    cmd: list[str], port: int, log_path: Path, env: dict | None = None, timeout_s: float = 0
-):
+    cmd: list[str], port: int, log_path: Path, env: dict | None = None, timeout_s: float = 0,
+    on_spawn=None,
+):  # fmt: skip
     """Start a server (output to log_path; `env`: its environment, default ours) and wait for
     its /health on port (at most timeout_s, 0: no limit): (the process, seconds from spawn to
-    ready). Also gpu_load.py's and serve_ready.py's."""
+    ready). `on_spawn(process)`: called as soon as it is spawned. Also gpu_load.py's and
+    serve_ready.py's."""
     with open(log_path, "w") as log:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if on_spawn is not None:
+        on_spawn(proc)
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode}: see {log_path}")
@@ -150,16 +154,33 @@ def engine_figures(server_metrics: dict) -> dict:
     }
 
 
-def start_core_profile(server: subprocess.Popen, seconds: float, out: Path):
-    """py-spy on the server's engine core (its child running multiprocessing's spawn_main)."""
+def engine_core_pid(server: subprocess.Popen) -> str | None:
+    """The server's engine core: its child running multiprocessing's spawn_main."""
     children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True)
     for pid in children.stdout.split():
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile
+            continue
         if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
-            cmd = ["py-spy", "record", "-p", pid, "-d", str(int(seconds)), "-r", "500", "--idle",
-                   "--nonblocking", "-f", "raw", "-o", str(out / "core_profile.txt")]  # fmt: skip
-            return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    raise SystemExit(f"no engine core among the server's children {children.stdout.split()}")
+            return pid
+    return None
+
+
+def py_spy(pid: str, seconds: float, out: Path, rate: int = 500, threads: bool = False):
+    """py-spy recording process pid for `seconds`, idle time included, raw stacks to out."""
+    cmd = ["py-spy", "record", "-p", pid, "-d", str(int(seconds)), "-r", str(rate), "--idle",
+           "--nonblocking", "-f", "raw", "-o", str(out)]  # fmt: skip
+    if threads:
+        cmd.append("--threads")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def start_core_profile(server: subprocess.Popen, seconds: float, out: Path):
+    """py-spy on the server's engine core."""
+    if (pid := engine_core_pid(server)) is None:
+        raise SystemExit("no engine core among the server's children")
+    return py_spy(pid, seconds, out / "core_profile.txt")
 
 
 def summarize_core_profile(raw: Path) -> str:

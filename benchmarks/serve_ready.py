@@ -11,6 +11,11 @@ the default model on CPU is the workload `cpu-smollm2-ready` in benchmarks/RESUL
 (posix_fadvise DONTNEED: no root needed, only the files' own pages). --drop-caches empties the
 whole page cache before each run instead (root: `/proc/sys/vm/drop_caches`, as gpu_load.py does).
 The trees' servers keep the rest of PYTHONPATH after the tree (the H200's wheels).
+--profile SECONDS samples each tree's first start with py-spy (on PATH; its wheel can ride in
+.whl): its engine core from as soon as the process exists, every thread, idle time included,
+for SECONDS (the server stays up until it is done), to OUT/startup-NAME.txt (py-spy's raw
+stacks) and OUT/startup-NAME.md: each thread's seconds as a call tree (imports collapsed into
+the module that ran them, branches under 2 % of the thread left out).
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ import statistics
 import sys
 import sysconfig
 import tempfile
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
 from gpu_load import drop_page_cache, tree_env
-from gpu_serve import free_port, launch_until_ready
+from gpu_serve import engine_core_pid, free_port, launch_until_ready, py_spy
+
+PROFILE_RATE = 200  # py-spy samples a second (each 5 ms of a thread's time)
 
 
 def evict(model: str | None, packages: bool = False) -> int:
@@ -60,20 +69,92 @@ def evict(model: str | None, packages: bool = False) -> int:
     return total
 
 
-def time_to_ready(tree: Path, model: str | None, serve_args: list[str], timeout_s: float):
-    """(seconds to /health 200, the server's startup_s) of one fresh server from `tree`."""
+class CoreProfile:
+    """py-spy on a server's engine core, attached as soon as the core process exists."""
+
+    def __init__(self, seconds: float, out: Path) -> None:
+        self.seconds, self.out, self.profiler = seconds, out, None
+
+    def __call__(self, server) -> None:  # launch_until_ready's on_spawn
+        threading.Thread(target=self._attach, args=(server,), daemon=True).start()
+
+    def _attach(self, server) -> None:
+        deadline = time.monotonic() + 30
+        while server.poll() is None and time.monotonic() < deadline:
+            if (pid := engine_core_pid(server)) is not None:
+                self.profiler = py_spy(pid, self.seconds, self.out, PROFILE_RATE, threads=True)
+                return
+            time.sleep(0.005)
+
+    def wait(self) -> None:
+        if self.profiler is not None:
+            self.profiler.wait(self.seconds + 60)
+
+
+def frame_key(frame: str) -> str:
+    """py-spy's `function (file:line)` without the line: one node a function."""
+    name, _, where = frame.rpartition(" (")
+    return f"{name} ({where.rsplit(':', 1)[0]})" if name else frame
+
+
+def startup_tree(raw: Path, rate: int = PROFILE_RATE, min_share: float = 0.02) -> str:
+    """Each thread's samples as a call tree in seconds: importlib's own frames dropped (an
+    import shows as the `<module>` it ran), a chain of one child holding nearly all of its
+    parent's samples on one line, branches under min_share of the thread left out."""
+    threads: dict[str, dict] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        thread, *frames = stack.split(";")
+        node = threads.setdefault(thread, {"n": 0, "kids": {}})
+        node["n"] += int(count)
+        for frame in frames:
+            if "<frozen importlib" in frame or frame.startswith("_call_with_frames_removed"):
+                continue
+            node = node["kids"].setdefault(frame_key(frame), {"n": 0, "kids": {}})
+            node["n"] += int(count)
+    lines = []
+
+    def walk(kids: dict, total: int, indent: int) -> None:
+        for name, node in sorted(kids.items(), key=lambda kv: -kv[1]["n"]):
+            if node["n"] < min_share * total:
+                continue
+            names = [name]
+            while len(node["kids"]) == 1:  # one callee: on the same line while it holds ~all
+                ((kid_name, kid),) = node["kids"].items()
+                if kid["n"] < 0.95 * node["n"]:
+                    break
+                names.append(kid_name)
+                node = kid
+            lines.append(f"{'  ' * indent}- {node['n'] / rate:.2f} s: {' > '.join(names)}")
+            walk(node["kids"], total, indent + 1)
+
+    for thread, node in sorted(threads.items(), key=lambda kv: -kv[1]["n"]):
+        if node["n"] >= min_share * max(n["n"] for n in threads.values()):
+            lines.append(f"\n## {thread}: {node['n'] / rate:.2f} s sampled\n")
+            walk(node["kids"], node["n"], 0)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def time_to_ready(
+    tree: Path, model: str | None, serve_args: list[str], timeout_s: float,
+    profile: CoreProfile | None = None,
+):  # fmt: skip
+    """(seconds to /health 200, the server's startup_s) of one fresh server from `tree`;
+    `profile`: py-spy on its engine core (the server stays up until it is done)."""
     port = free_port()
     cmd = [sys.executable, "-m", "lantau.cli", "serve", *([model] if model else [])]
     cmd += ["--port", str(port), *serve_args]
     env = tree_env(str(tree))
     log = Path(tempfile.gettempdir()) / f"serve_ready-{os.getpid()}.log"
     try:
-        proc, seconds = launch_until_ready(cmd, port, log, env, timeout_s)
+        proc, seconds = launch_until_ready(cmd, port, log, env, timeout_s, profile)
     except SystemExit as e:  # with the log's last lines
         raise SystemExit("\n".join([str(e), *log.read_text().splitlines()[-20:]])) from None
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
             status = json.load(r)
+        if profile is not None:
+            profile.wait()
         return seconds, status.get("startup_s", {})
     finally:
         proc.terminate()
@@ -96,6 +177,9 @@ def main() -> None:
     parser.add_argument(
         "--drop-caches", action="store_true", help="empty the page cache before each run (root)"
     )
+    parser.add_argument("--profile", type=float, default=0, metavar="SECONDS",
+                        help="py-spy on each tree's first start (its engine core)")  # fmt: skip
+    parser.add_argument("--out", default=".", help="where --profile writes")
     args, serve_args = parser.parse_known_args()
     serve_args = [a for a in serve_args if a != "--"]
     here = Path(__file__).resolve().parent.parent
@@ -111,15 +195,23 @@ def main() -> None:
                 raise SystemExit("--drop-caches: /proc/sys/vm/drop_caches is not writable")
             if args.cold:
                 evict(args.model, args.cold_packages)
+            profile = None
+            if args.profile and run == 0:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                profile = CoreProfile(args.profile, Path(args.out) / f"startup-{name}.txt")
             try:
                 took, startup = time_to_ready(Path(path).resolve(), args.model, serve_args,
-                                              args.timeout_s)  # fmt: skip
+                                              args.timeout_s, profile)  # fmt: skip
             except SystemExit as e:  # a tree that does not start is reported, the others run on
                 failed[name] = str(e).splitlines()[0]
                 print(f"run {run + 1} {name}: failed: {e}", flush=True)
                 continue
             seconds[name].append(took)
             stages[name] = startup
+            if profile is not None and profile.out.exists():
+                tree = startup_tree(profile.out)
+                profile.out.with_suffix(".md").write_text(tree)
+                print(f"{name}'s engine core, first start (py-spy):\n{tree}", flush=True)
             parts = ", ".join(f"{k} {v:.1f}" for k, v in startup.items())
             print(f"run {run + 1} {name}: {took:.2f} s ({parts})", flush=True)
     print(f"\n{'tree':<10} {'median s':>9} {'min s':>7}  last run's stages (s)")

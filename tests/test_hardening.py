@@ -416,9 +416,10 @@ def test_startup_is_reported_by_stage(shared):
     status = shared.status()
     assert status["kv_cache_dtype"] == "auto" and status["num_kv_blocks"] > 0
     stages = status["startup_s"]
-    assert list(stages)[:6] == ["total", "config", "tokenizer", "engine_core", "weights",
-                                "kv_profile"]  # fmt: skip
+    assert list(stages)[:8] == ["total", "config", "tokenizer", "engine_core", "core_process",
+                                "core_imports", "weights", "kv_profile"]  # fmt: skip
     assert all(seconds >= 0 for seconds in stages.values())
     both = max(stages["tokenizer"], stages["engine_core"])  # side by side, not one after another
     assert stages["config"] + both <= stages["total"] < stages["config"] + both + 1.0
-    assert stages["engine_core"] >= stages["weights"] + stages["kv_profile"]
+    before_model = stages["core_process"] + stages["core_imports"]
+    assert stages["engine_core"] >= before_model + stages["weights"] + stages["kv_profile"]

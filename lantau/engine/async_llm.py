@@ -116,7 +116,7 @@ def spawn_core(config: EngineConfig | None, source: ModelSource | None) -> Spawn
     core = SpawnedCore(None, ipc_dir, 0.0, standby=config is None)
     process = multiprocessing.get_context("spawn").Process(
         target=run_engine_core,
-        args=(config, source, core.in_addr, core.out_addr),
+        args=(config, source, core.in_addr, core.out_addr, time.monotonic()),
         name=CORE_PROCESS_NAME,
         daemon=True,
     )

@@ -126,11 +126,20 @@ def core_stats(core: EngineCore, clock: StepClock) -> StepStats:
 
 
 def run_engine_core(
-    config: EngineConfig | None, source: ModelSource | None, input_addr: str, output_addr: str
+    config: EngineConfig | None,
+    source: ModelSource | None,
+    input_addr: str,
+    output_addr: str,
+    spawned_at: float | None = None,
 ) -> None:
     """Process entry point. Exits when the frontend process goes away, however it went.
     `config` None: a standby core (async_llm.spawn_core), which takes its config and source
-    as the first message."""
+    as the first message. `spawned_at`: the frontend's time.monotonic() at the spawn (the
+    clock is the machine's, one for both processes), for the start-up's first stage."""
+    clock = time.monotonic()
+    # the start-up's stages before the model: the process (interpreter, this module's
+    # imports), the engine's imports (torch), a standby's wait for its config
+    early = {"core_process": clock - spawned_at} if spawned_at is not None else {}
     parent = os.getppid()
     # NOTE: Ctrl-C reaches the whole process group; the frontend drains, then stops the core
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -147,14 +156,16 @@ def run_engine_core(
         from lantau.engine.core import EngineCore
         from lantau.model.kernel_cache import seed_engine_kernels
 
+        early["core_imports"], clock = time.monotonic() - clock, time.monotonic()
         if config is None:  # a standby: the imports above ran while the frontend chose
             config, source = pickle.loads(in_sock.recv())
+            early["config_wait"] = time.monotonic() - clock
         seeded = seed_engine_kernels(source, config.device)  # before the first Triton compile
         core = EngineCore(config, source, paced=True)
     except Exception as e:  # report why, then exit: the frontend fails its start with it
         out_sock.send(encoder.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}")))
         return
-    core.startup_s = {**seeded, **core.startup_s}
+    core.startup_s = {**early, **seeded, **core.startup_s}
     if core.device.type == "cuda":  # no kernel compiles while a user waits
         from lantau.engine.warmup import warm_up
 
