@@ -183,20 +183,26 @@ def start_core_profile(server: subprocess.Popen, seconds: float, out: Path):
     return py_spy(pid, seconds, out / "core_profile.txt")
 
 
+def py_spy_stacks(raw: Path):
+    """py-spy's raw output as (frames, outermost first; samples) pairs (with --threads, the
+    first frame names the thread)."""
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        yield stack.split(";"), int(count)
+
+
 def summarize_core_profile(raw: Path) -> str:
     """Shares of the main loop's samples: by the loop's call (the frame under _busy_loop)
     and by innermost frame."""
     by_call, by_leaf, total = {}, {}, 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
+    for frames, count in py_spy_stacks(raw):
         loop = [i for i, f in enumerate(frames) if f.startswith("_busy_loop ")]
         if not loop:
             continue
-        total += int(count)
+        total += count
         call = frames[loop[0] + 1] if loop[0] + 1 < len(frames) else frames[loop[0]]
-        by_call[call] = by_call.get(call, 0) + int(count)
-        by_leaf[frames[-1]] = by_leaf.get(frames[-1], 0) + int(count)
+        by_call[call] = by_call.get(call, 0) + count
+        by_leaf[frames[-1]] = by_leaf.get(frames[-1], 0) + count
     lines = [f"{total} samples of the core's main loop", "", "| share | the loop's call |",
              "| --- | --- |"]  # fmt: skip
     for name, table in (("call", by_call), ("leaf", by_leaf)):

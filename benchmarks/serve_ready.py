@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 
 from gpu_load import drop_page_cache, tree_env
-from gpu_serve import engine_core_pid, free_port, launch_until_ready, py_spy
+from gpu_serve import engine_core_pid, free_port, launch_until_ready, py_spy, py_spy_stacks
 
 PROFILE_RATE = 200  # py-spy samples a second (each 5 ms of a thread's time)
 
@@ -102,16 +102,14 @@ def startup_tree(raw: Path, rate: int = PROFILE_RATE, min_share: float = 0.02) -
     import shows as the `<module>` it ran), a chain of one child holding nearly all of its
     parent's samples on one line, branches under min_share of the thread left out."""
     threads: dict[str, dict] = {}
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        thread, *frames = stack.split(";")
+    for (thread, *frames), count in py_spy_stacks(raw):
         node = threads.setdefault(thread, {"n": 0, "kids": {}})
-        node["n"] += int(count)
+        node["n"] += count
         for frame in frames:
             if "<frozen importlib" in frame or frame.startswith("_call_with_frames_removed"):
                 continue
             node = node["kids"].setdefault(frame_key(frame), {"n": 0, "kids": {}})
-            node["n"] += int(count)
+            node["n"] += count
     lines = []
 
     def walk(kids: dict, total: int, indent: int) -> None:
@@ -128,8 +126,9 @@ def startup_tree(raw: Path, rate: int = PROFILE_RATE, min_share: float = 0.02) -
             lines.append(f"{'  ' * indent}- {node['n'] / rate:.2f} s: {' > '.join(names)}")
             walk(node["kids"], total, indent + 1)
 
+    busiest = max((node["n"] for node in threads.values()), default=0)
     for thread, node in sorted(threads.items(), key=lambda kv: -kv[1]["n"]):
-        if node["n"] >= min_share * max(n["n"] for n in threads.values()):
+        if node["n"] >= min_share * busiest:
             lines.append(f"\n## {thread}: {node['n'] / rate:.2f} s sampled\n")
             walk(node["kids"], node["n"], 0)
     return "\n".join(lines).lstrip("\n") + "\n"

@@ -156,10 +156,11 @@ def run_engine_core(
         from lantau.engine.core import EngineCore
         from lantau.model.kernel_cache import seed_engine_kernels
 
-        early["core_imports"], clock = time.monotonic() - clock, time.monotonic()
+        imported = time.monotonic()
+        early["core_imports"] = imported - clock
         if config is None:  # a standby: the imports above ran while the frontend chose
             config, source = pickle.loads(in_sock.recv())
-            early["config_wait"] = time.monotonic() - clock
+            early["config_wait"] = time.monotonic() - imported
         seeded = seed_engine_kernels(source, config.device)  # before the first Triton compile
         core = EngineCore(config, source, paced=True)
     except Exception as e:  # report why, then exit: the frontend fails its start with it
