@@ -46,3 +46,55 @@ def test_served_engine_reports_the_background_load(engine_folder):
     # the wait also covers the loading thread's own start (its clock starts inside it): on a
     # busy 2-core box a few ms more than the load on CPU, where nothing runs beside it
     assert stages["weights"] >= 0 and stages["weights_wait"] <= stages["weights"] + 0.05
+
+
+def _greedy(core, prompts: list[list[int]]) -> dict[str, list[int]]:
+    from lantau.request import Request, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    for i, ids in enumerate(prompts):
+        core.add_request(Request(f"r{i}", ids, params, []))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_unfinished_requests:
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+    return tokens
+
+
+def test_warm_up_beside_the_load_then_the_loaded_weights(engine_folder, monkeypatch):
+    """The served core's warm-up runs before the weights' load ends (`defer_weights`): it reads
+    zeros, not stale memory, and the requests after `wait_weights` get the loaded model's
+    tokens, as from a core that waited for its weights before returning."""
+    import threading
+
+    import torch
+
+    from lantau.engine.core import EngineCore
+    from lantau.engine.warmup import warm_up
+    from lantau.model import engine_loader
+
+    config, source = build_engine_config(
+        str(engine_folder), device="cpu", max_model_len=256, num_kv_blocks=64
+    )
+    prompts = [[5, 9, 200, 31], list(range(40, 140)), [7]]
+    expected = _greedy(EngineCore(config, source), prompts)
+
+    release, load = threading.Event(), engine_loader.load_engine_weights
+
+    def held_load(*args, **kwargs):
+        assert release.wait(60)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(engine_loader, "load_engine_weights", held_load)
+    core = EngineCore(config, source, defer_weights=True)
+    tensors = engine_loader.engine_tensors(core.runner.model).values()
+    assert all(not t.any() for t in tensors)  # zeros until the load writes them
+    warm_up(core)  # every wave, on the zeros
+    assert "weights" not in core.startup_s
+    release.set()
+    core.wait_weights()
+    assert core.startup_s["weights_wait"] >= 0
+    assert any(t.any() for t in tensors)
+    assert _greedy(core, prompts) == expected
+    core.wait_weights()  # once only: nothing pending
+    assert torch.isfinite(core.runner.model.lm_head.weight).all()

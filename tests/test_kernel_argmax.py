@@ -65,3 +65,20 @@ def test_argmax_into_out_view():
         am.argmax(logits, out=buffer[:2])
     with pytest.raises(AssertionError, match="out"):
         am.argmax(logits, out=torch.zeros(3, dtype=torch.int32))
+
+
+def test_argmax_of_nan_rows_stays_in_range():
+    """A row of NaN (a broken model, or weights not loaded yet) gives torch's index, the
+    first NaN, not one past the row: the next decode step embeds the id it picks."""
+    vocab = 2 * 4096 + 5
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3))
+    logits[0] = float("nan")
+    logits[1, 4096:] = float("nan")  # a whole chunk (and the ragged last one) of NaN
+    logits[2, 4100] = float("nan")
+    out = am.argmax(logits)
+    assert out[0] == 0 == logits[0].argmax()
+    assert ((out >= 0) & (out < vocab)).all(), out
+    assert out[1] in (logits[1, :4096].argmax(), 4096)  # the finite maximum, or the first NaN
+    assert out[2] in (logits[2].nan_to_num(-1e9).argmax(), 4100)
+    best, count = am._scratch[logits.device]
+    assert (best == am._EMPTY).all() and (count == 0).all()

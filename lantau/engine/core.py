@@ -33,7 +33,7 @@ from lantau.engine.tp_workers import (
 )
 from lantau.errors import InvalidRequestError
 from lantau.kv_cache.manager import KVCacheManager, cdiv
-from lantau.model.loader import ModelSource, build_model, load_in_background
+from lantau.model.loader import ModelSource, PendingWeights, build_model, load_in_background
 from lantau.model.parallel import SINGLE, TensorParallel, init_tensor_parallel
 from lantau.request import FinishReason, Request, SamplingParams, validate_prompt
 from lantau.runner.memory import engine_memory_baseline
@@ -51,7 +51,16 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource, paced: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        paced: bool = False,
+        defer_weights: bool = False,
+    ) -> None:
+        """`defer_weights`: return while an engine folder's weights still load in the
+        background; the caller must call `wait_weights` before any step whose results matter
+        (the served core's warm-up runs before it: warmup.py)."""
         config = resolve_device(config, torch.cuda.is_available())
         self.device = torch.device(config.device)
         # seconds of each start-up stage, in order (the server reports them)
@@ -63,8 +72,11 @@ class EngineCore:
             tp = TensorParallel(0, config.tensor_parallel_size)
             self.workers = Workers(config, source)
             stop = weakref.finalize(self, stop_split_engine, self.workers)
+        self._pending_weights: PendingWeights | None = None
         try:
             self._start(config, source, tp, paced)
+            if not defer_weights:
+                self.wait_weights()
         except BaseException:
             if self.workers is not None:
                 stop()
@@ -161,11 +173,18 @@ class EngineCore:
             # busy CPU, page faults on a cold disk) rather than worked
             self.startup_s["cuda_graphs_cpu"] = time.thread_time() - cpu
             self.scheduler.padded_step_tokens = self.runner.mixed_graphs.padded_tokens
-        if pending is not None:
-            clock = time.perf_counter()
-            pending.wait()
-            self.startup_s["weights"] = pending.seconds  # beside the two stages before
-            self.startup_s["weights_wait"] = time.perf_counter() - clock
+        self._pending_weights = pending
+
+    def wait_weights(self) -> None:
+        """Wait for the weights' background load, if one is still pending (an engine folder's,
+        started while the KV cache was sized); its seconds go into startup_s."""
+        pending, self._pending_weights = self._pending_weights, None
+        if pending is None:
+            return
+        clock = time.perf_counter()
+        pending.wait()
+        self.startup_s["weights"] = pending.seconds  # beside the stages before
+        self.startup_s["weights_wait"] = time.perf_counter() - clock
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         vocab_size = self.config.model_config.vocab_size

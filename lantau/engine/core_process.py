@@ -162,15 +162,19 @@ def run_engine_core(
             config, source = pickle.loads(in_sock.recv())
             early["config_wait"] = time.monotonic() - imported
         seeded = seed_engine_kernels(source, config.device)  # before the first Triton compile
-        core = EngineCore(config, source, paced=True)
+        # an engine folder's weights may still be loading when it returns: the warm-up runs
+        # beside the load (its results are thrown away), the first request after it
+        core = EngineCore(config, source, paced=True, defer_weights=True)
+        core.startup_s = {**early, **seeded, **core.startup_s}
+        if core.device.type == "cuda":  # no kernel compiles while a user waits
+            from lantau.engine.warmup import warm_up
+
+            core.startup_s["warm_up"] = warm_up(core)
+        core.wait_weights()
     except Exception as e:  # report why, then exit: the frontend fails its start with it
         out_sock.send(encoder.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}")))
         return
-    core.startup_s = {**early, **seeded, **core.startup_s}
-    if core.device.type == "cuda":  # no kernel compiles while a user waits
-        from lantau.engine.warmup import warm_up
-
-        core.startup_s["warm_up"] = warm_up(core)
+    if core.device.type == "cuda":
         _log_late_compiles()
     # every collection timed for /metrics, the first one the full collection of start-up's
     # objects before they are frozen out of every later walk (gc_pauses.py: one of them

@@ -11,7 +11,9 @@ integer argument that is 1 or a multiple of 16) is compiled before the first use
 With LoRA adapters served, every other warm-up request runs through the first one:
 the adapter kernels' variants of eager steps (no CUDA graph captured them) compile here too.
 
-Nothing of it stays: its requests finish, the prefix cache is emptied, the counters zeroed.
+Nothing of it stays: its requests finish, the prefix cache is emptied, the counters zeroed. So
+the served core runs it while an engine folder's weights still load (EngineCore's
+`defer_weights`): it reads zeros or loaded values, and its tokens are thrown away.
 """
 
 from __future__ import annotations

@@ -45,6 +45,8 @@ def _argmax_kernel(
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0, as in torch
     top = tl.max(x, axis=0)
     index = tl.min(tl.where((x == top) & mask, offs, V), axis=0)  # the first of the maxima
+    if index == V:  # none equals the maximum: it is NaN; the first NaN, as torch (in range)
+        index = tl.min(tl.where((x != x) & mask, offs, V), axis=0)
     # float order as signed int32 order: negatives' magnitude bits flipped
     bits = top.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
@@ -76,8 +78,9 @@ def argmax(
     logits: torch.Tensor, out: torch.Tensor | None = None, use_pdl: bool = True
 ) -> torch.Tensor:
     """logits.argmax(-1) for [R, V] logits (fp32, fp16, bf16; last dim contiguous) in one
-    launch: [R] int64, into `out` if given. Rows holding NaN give an unspecified index (torch
-    gives the NaN's)."""
+    launch: [R] int64, into `out` if given. A row holding NaN gives one of its indices (torch
+    gives the first NaN's; so does this where the maximum a chunk reads is NaN), never one
+    past the row: the next step embeds it."""
     assert logits.dim() == 2 and logits.stride(1) == 1, f"logits {tuple(logits.shape)}"
     assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16), f"{logits.dtype}"
     num_rows, vocab_size = logits.shape
