@@ -149,3 +149,20 @@ def test_a_cache_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, capl
     with caplog.at_level(logging.WARNING, logger="lantau.model.kernel_cache"):
         assert seed_engine_kernels(engine_with_kernels(tmp_path, KEY), "cuda") == {}
     assert "seeding Triton's cache" in caplog.text
+
+
+def test_triton_hashed_on_a_thread_where_kernels_will_run(monkeypatch):
+    """prehash_triton computes Triton's cache key (a hash of its own library) on a thread, the
+    value Triton's first launch then takes from its cache; nothing on CPU."""
+    import triton
+    from triton.runtime.cache import triton_key
+
+    assert kernel_cache.prehash_triton("cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kernel_cache.prehash_triton("auto") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    triton_key.cache_clear()
+    thread = kernel_cache.prehash_triton("cuda")
+    thread.join(60)
+    assert not thread.is_alive() and triton_key.cache_info().currsize == 1
+    assert triton_key().startswith(triton.__version__)

@@ -154,13 +154,14 @@ def run_engine_core(
     encoder = msgspec.msgpack.Encoder()
     try:
         from lantau.engine.core import EngineCore
-        from lantau.model.kernel_cache import seed_engine_kernels
+        from lantau.model.kernel_cache import prehash_triton, seed_engine_kernels
 
         imported = time.monotonic()
         early["core_imports"] = imported - clock
         if config is None:  # a standby: the imports above ran while the frontend chose
             config, source = pickle.loads(in_sock.recv())
             early["config_wait"] = time.monotonic() - imported
+        prehash_triton(config.device)  # meanwhile: the model, the first kernel's launch
         seeded = seed_engine_kernels(source, config.device)  # before the first Triton compile
         # an engine folder's weights may still be loading when it returns: the warm-up runs
         # beside the load (its results are thrown away), the first request after it

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -182,6 +183,24 @@ def seed_engine_kernels(source: ModelSource, device: str) -> dict[str, float]:
                 "%.2f s", cache_dir, num_copied, folder / KERNELS_DIR / key.name, num_present,
                 seconds)  # fmt: skip
     return {"kernel_cache": seconds}
+
+
+def prehash_triton(device: str) -> threading.Thread | None:
+    """In the engine core, as soon as its device is known: Triton's key for its cache, a hash of
+    its own files (libtriton, ~400 MB), computed on a thread. Triton computes it once, at the
+    first kernel's launch: the KV cache's sizing, on the start's critical path (0.7 s of its
+    1.5 on an H200 from a cold disk, RESULTS.md 2026-12-06). The thread started (None on CPU)."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return None
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # no Triton, or one that keys its cache otherwise
+        return None
+    thread = threading.Thread(target=triton_key, name="lantau-triton-key", daemon=True)
+    thread.start()
+    return thread
 
 
 def check_can_compile_kernels() -> None:
