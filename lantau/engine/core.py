@@ -59,8 +59,9 @@ class EngineCore:
         defer_weights: bool = False,
     ) -> None:
         """`defer_weights`: return while an engine folder's weights still load in the
-        background; the caller must call `wait_weights` before any step whose results matter
-        (the served core's warm-up runs before it: warmup.py)."""
+        background, its tensors zeroed first; the caller must call `wait_weights` before any
+        step whose results matter (the served core's warm-up on CUDA runs before it:
+        warmup.py)."""
         config = resolve_device(config, torch.cuda.is_available())
         self.device = torch.device(config.device)
         # seconds of each start-up stage, in order (the server reports them)
@@ -74,7 +75,7 @@ class EngineCore:
             stop = weakref.finalize(self, stop_split_engine, self.workers)
         self._pending_weights: PendingWeights | None = None
         try:
-            self._start(config, source, tp, paced)
+            self._start(config, source, tp, paced, defer_weights)
             if not defer_weights:
                 self.wait_weights()
         except BaseException:
@@ -82,7 +83,9 @@ class EngineCore:
                 stop()
             raise
 
-    def _start(self, config: EngineConfig, source, tp: TensorParallel, paced: bool) -> None:
+    def _start(
+        self, config: EngineConfig, source, tp: TensorParallel, paced: bool, defer: bool
+    ) -> None:
         dtype = getattr(torch, config.dtype)
         clock = time.perf_counter()
         # an engine folder's weights load on a thread while the CUDA graphs are captured,
@@ -115,7 +118,7 @@ class EngineCore:
         if self.workers is not None:  # what the tightest rank holds
             num_blocks = agree_num_blocks(num_blocks)
         self.startup_s["kv_profile"] = time.perf_counter() - clock
-        pending = load_in_background(model, source) if background else None
+        pending = load_in_background(model, source, zero=defer) if background else None
         needed = cdiv(config.scheduler.max_model_len, config.cache.block_size)
         if num_blocks < needed:
             raise ValueError(

@@ -153,6 +153,9 @@ def run_engine_core(
     in_sock.connect(input_addr)
     encoder = msgspec.msgpack.Encoder()
     try:
+        import torch
+
+        from lantau.engine.args import resolve_device
         from lantau.engine.core import EngineCore
         from lantau.model.kernel_cache import prehash_triton, seed_engine_kernels
 
@@ -163,9 +166,10 @@ def run_engine_core(
             early["config_wait"] = time.monotonic() - imported
         prehash_triton(config.device)  # meanwhile: the model, the first kernel's launch
         seeded = seed_engine_kernels(source, config.device)  # before the first Triton compile
-        # an engine folder's weights may still be loading when it returns: the warm-up runs
-        # beside the load (its results are thrown away), the first request after it
-        core = EngineCore(config, source, paced=True, defer_weights=True)
+        # on CUDA an engine folder's weights may still be loading when it returns: the
+        # warm-up runs beside the load (its results are thrown away), the first request after
+        on_cuda = resolve_device(config, torch.cuda.is_available()).device.startswith("cuda")
+        core = EngineCore(config, source, paced=True, defer_weights=on_cuda)
         core.startup_s = {**early, **seeded, **core.startup_s}
         if core.device.type == "cuda":  # no kernel compiles while a user waits
             from lantau.engine.warmup import warm_up

@@ -143,22 +143,26 @@ class PendingWeights:
 BACKGROUND_LOAD_THREADS = 4
 
 
-def load_in_background(model: LlamaForCausalLM, source: ModelSource) -> PendingWeights:
+def load_in_background(
+    model: LlamaForCausalLM, source: ModelSource, zero: bool = False
+) -> PendingWeights:
     """An engine folder's weights loading into `model` (built with load=False) on
     BACKGROUND_LOAD_THREADS threads: meanwhile the caller may run what needs the parameters'
     memory but not their values (CUDA graph capture, a warm-up), and must wait for it before
-    anything whose results matter. The tensors start as zeros."""
+    anything whose results matter. `zero`: the tensors zeroed first, for a caller that runs
+    the model before the load ends (a warm-up): it reads zeros or loaded values, never NaN or
+    inf from stale bytes. (A GPU's memset; on CPU a first touch of every page, seconds for a
+    few GB on a small VM, which the load's own threads otherwise pay as they read.)"""
     from lantau.model.engine_loader import engine_tensors, load_engine_weights
     from lantau.model.manifest import read_manifest
 
     if source.kind != "engine":
         raise ValueError(f"only an engine folder loads in the background, not {source.kind!r}")
     manifest = read_manifest(source.path)
-    # zeros, not whatever the memory held: a pass before the load ends (the served core's
-    # warm-up) reads a mix of zeros and loaded values, never NaN or inf from stale bytes
-    with torch.no_grad():
-        for tensor in engine_tensors(model).values():
-            tensor.zero_()
+    if zero:
+        with torch.no_grad():
+            for tensor in engine_tensors(model).values():
+                tensor.zero_()
     device = model.lm_head.weight.device
     if device.type == "cuda":  # the construction's kernels end before copies land
         torch.cuda.synchronize(device)
