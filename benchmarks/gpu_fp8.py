@@ -25,8 +25,9 @@ Sections, in order (each on its own: an error is printed and the next section ru
   w4        random:llama3-70b fp8, created on the GPU layer by layer: W4-bs1, W4-128, W4-1000
   sweep     the fp8 GEMV's tilings at the 8B and 70B shapes, GB/s against the bf16 GEMV
 Request counts are trimmed from WORKLOADS.md's to fit the budget (printed); a section that
-would start past --budget-s is skipped (printed). A short table comes last; everything goes to
-$OUT/gpu_fp8.json.
+would start past --budget-s is skipped (printed). `--only W3-fp8-2048,W4-128` runs just those
+workloads of the sections left (their engines still start). A short table comes last;
+everything goes to $OUT/gpu_fp8.json.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ section.budget_s = 480.0  # --budget-s
 RESULTS, TABLE, elapsed = section.results, section.table, section.elapsed
 # more LLM(...) arguments for the fp8 engines (--fp8-engine-args), e.g. the fp8 KV cache's
 FP8_ENGINE_ARGS: dict = {}
+ONLY: set[str] = set()  # --only: the workload labels to run, their max_num_seqs suffix aside
 # llama3-8b / -70b projections (N, K); lm_head stays bf16
 SHAPES_8B = {
     "qkv": (6144, 4096),
@@ -347,6 +349,8 @@ def scaling() -> None:
 
 
 def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n: int) -> dict:
+    if ONLY and label.split()[0] not in ONLY:
+        return {}
     from lantau.bench.offline import run_lantau
     from lantau.bench.workloads import make_workload
 
@@ -531,7 +535,7 @@ def fp8_8b(ref: dict, counts: dict[str, int], seqs: list[int]) -> None:
             )
         )
     run_workload(llm, "W2", None, "W2-fp8", 1)
-    if "W2-bf16" in RESULTS and "ms_per_token" in RESULTS["W2-bf16"]:
+    if "W2-bf16" in RESULTS and "W2-fp8" in RESULTS and "ms_per_token" in RESULTS["W2-bf16"]:
         ratio = RESULTS["W2-fp8"]["ms_per_token"] / RESULTS["W2-bf16"]["ms_per_token"]
         TABLE.append(("W2-fp8 / W2-bf16", f"{100 * ratio:.1f} %", "target <= 55 %"))
     defaults = {"W3-128": 30000, "W3-1000": 3000, "W3-2048": 3000}
@@ -672,7 +676,7 @@ def parse_counts(spec: str) -> dict[str, int]:
 
 
 def main() -> None:
-    global FP8_ENGINE_ARGS
+    global FP8_ENGINE_ARGS, ONLY
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--budget-s", type=float, default=section.budget_s, help="start no section after"
@@ -688,7 +692,9 @@ def main() -> None:
     )
     parser.add_argument("--w3-seqs", default="384", help="the 8B fp8 engines' max_num_seqs")
     parser.add_argument("--w4-seqs", default="512", help="the 70B fp8 engines' max_num_seqs")
+    parser.add_argument("--only", default="", help="workload labels to run, e.g. W4-128,W2-fp8")
     args = parser.parse_args()
+    ONLY = {v for v in args.only.split(",") if v}
     w3_seqs = [int(v) for v in args.w3_seqs.split(",")]
     w4_seqs = [int(v) for v in args.w4_seqs.split(",")]
     section.budget_s = args.budget_s
