@@ -164,14 +164,15 @@ def run_engine_core(
         if config is None:  # a standby: the imports above ran while the frontend chose
             config, source = pickle.loads(in_sock.recv())
             early["config_wait"] = time.monotonic() - imported
+        config = resolve_device(config, torch.cuda.is_available())  # "auto" chosen once
+        on_cuda = config.device.startswith("cuda")
         prehash_triton(config.device)  # meanwhile: the model, the first kernel's launch
         seeded = seed_engine_kernels(source, config.device)  # before the first Triton compile
         # on CUDA an engine folder's weights may still be loading when it returns: the
         # warm-up runs beside the load (its results are thrown away), the first request after
-        on_cuda = resolve_device(config, torch.cuda.is_available()).device.startswith("cuda")
         core = EngineCore(config, source, paced=True, defer_weights=on_cuda)
         core.startup_s = {**early, **seeded, **core.startup_s}
-        if core.device.type == "cuda":  # no kernel compiles while a user waits
+        if on_cuda:  # no kernel compiles while a user waits
             from lantau.engine.warmup import warm_up
 
             core.startup_s["warm_up"] = warm_up(core)
@@ -179,7 +180,7 @@ def run_engine_core(
     except Exception as e:  # report why, then exit: the frontend fails its start with it
         out_sock.send(encoder.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}")))
         return
-    if core.device.type == "cuda":
+    if on_cuda:
         _log_late_compiles()
     # every collection timed for /metrics, the first one the full collection of start-up's
     # objects before they are frozen out of every later walk (gc_pauses.py: one of them
