@@ -19,6 +19,7 @@ import zmq
 
 from lantau import envs
 from lantau.config import EngineConfig
+from lantau.engine import import_ahead
 from lantau.engine.protocol import (
     HEARTBEAT_S,
     AbortRequests,
@@ -152,6 +153,7 @@ def run_engine_core(
     in_sock = ctx.socket(zmq.PULL)
     in_sock.connect(input_addr)
     encoder = msgspec.msgpack.Encoder()
+    import_ahead.start()  # the files torch's import will read, asked of the disk at once
     try:
         import torch
 
@@ -177,6 +179,7 @@ def run_engine_core(
 
             core.startup_s["warm_up"] = warm_up(core)
         core.wait_weights()
+        import_ahead.record()
     except Exception as e:  # report why, then exit: the frontend fails its start with it
         out_sock.send(encoder.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}")))
         return
