@@ -41,6 +41,7 @@ PROFILE_RATE = 200  # py-spy samples a second (each 5 ms of a thread's time)
 def evict(model: str | None, packages: bool = False) -> int:
     """Drop the model's weight files (and the site-packages) from the page cache; the bytes
     they hold."""
+    from lantau.engine.import_ahead import advise
     from lantau.model.manifest import read_manifest
     from lantau.model.source import resolve_model_source
 
@@ -55,18 +56,7 @@ def evict(model: str | None, packages: bool = False) -> int:
     if packages:
         for root in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
             paths += [p for p in Path(root).rglob("*") if p.is_file()]
-    total = 0
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            total += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return total
+    return advise(paths, os.POSIX_FADV_DONTNEED)
 
 
 class CoreProfile:
