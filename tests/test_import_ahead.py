@@ -1,7 +1,8 @@
 """The engine core's imports asked ahead: a start lists the files its imports read (mapped
 libraries, module files) in the lantau cache once; the next start asks the kernel to read
 each ahead (posix_fadvise WILLNEED) before importing torch; a package installed on the path
-makes a new list; no cache, no list; a served core writes it."""
+makes a new list; no cache, no list; a served core writes it, keyed alike in every process
+of the interpreter."""
 
 from __future__ import annotations
 
@@ -66,10 +67,10 @@ def test_start_advises_each_listed_file_and_passes_over_missing_ones(cache, tmp_
     assert calls == [(str(present), 0, 0, os.POSIX_FADV_WILLNEED)]
 
 
-def test_a_package_installed_on_the_path_makes_a_new_list(cache, tmp_path, monkeypatch):
+def test_a_package_installed_makes_a_new_list(cache, tmp_path, monkeypatch):
     site = tmp_path / "site"
     site.mkdir()
-    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(import_ahead, "_package_folders", lambda: [str(site)])
     before = import_ahead._entry()
     (site / "newpkg").mkdir()
     os.utime(site, ns=(os.stat(site).st_atime_ns, os.stat(site).st_mtime_ns + 10**9))
@@ -98,6 +99,7 @@ def test_a_served_core_lists_its_imports_for_the_next_start(cache):
 
     asyncio.run(run())
     (entry,) = (cache / "imports").iterdir()
+    assert entry == import_ahead._entry()  # this process's key: the build's compile shares it
     paths = json.loads(entry.read_text())
     # the core's own imports: torch's library and modules among them
     assert any(os.path.basename(p).startswith("libtorch") for p in paths)

@@ -6,9 +6,9 @@ of a 16 s start. The core therefore starts, before importing torch, a thread tha
 kernel to read ahead (posix_fadvise WILLNEED: the reads are queued, nothing waits on them)
 every file the last start on this interpreter read: the shared libraries it had mapped
 (largest first) and its modules' files, listed once after a start-up in the lantau cache
-(envs.cache_entry "imports", keyed by the interpreter, its path and its folders' times: a
-package installed or removed there makes a new list). A first start has no list and reads as
-before.
+(envs.cache_entry "imports", keyed by the interpreter and its site-packages' times: a package
+installed or removed there makes a new list). `lantau build --compile-kernels` writes it too,
+so the first serve of a folder built here has it; a first start with no list reads as before.
 """
 
 from __future__ import annotations
@@ -17,17 +17,27 @@ import importlib.util
 import json
 import os
 import sys
+import sysconfig
 import threading
 from pathlib import Path
 
 from lantau import envs
 
 
+def _package_folders() -> list[str]:
+    """The interpreter's site-packages (where torch and its libraries live)."""
+    paths = sysconfig.get_paths()
+    return sorted({paths["purelib"], paths["platlib"]})
+
+
 def _entry() -> Path | None:
+    """One list per interpreter and package set: any process of it shares it (the build's
+    kernel compile writes it for the first serve), a package installed or removed makes a
+    new one (the folder's time changes)."""
     folders = []
-    for folder in sys.path:
+    for folder in _package_folders():
         try:
-            folders.append([folder, os.stat(folder or ".").st_mtime_ns])
+            folders.append([folder, os.stat(folder).st_mtime_ns])
         except OSError:
             continue
     return envs.cache_entry("imports", json.dumps([sys.executable, sys.version, folders]))

@@ -239,6 +239,7 @@ def compile_kernels(folder: Path, engine_args: dict) -> dict:
 def _compile_kernels(folder: str, cache_dir: str, engine_args: dict) -> dict:
     """compile_kernels' child: Triton's cache pointed at `cache_dir` before Triton loads."""
     os.environ["TRITON_CACHE_DIR"] = cache_dir
+    from lantau.engine import import_ahead
     from lantau.engine.args import build_engine_config
     from lantau.engine.core import EngineCore
     from lantau.engine.warmup import warm_up
@@ -246,6 +247,7 @@ def _compile_kernels(folder: str, cache_dir: str, engine_args: dict) -> dict:
     config, source = build_engine_config(folder, **{**engine_args, "device": "cuda"})
     core = EngineCore(config, source)
     warm_up(core)
+    import_ahead.record()  # the files a served core's imports read, for its first start
     key = machine_key(core.config.device)
     assert key is not None  # check_can_compile_kernels passed in the parent
     return save_kernels(Path(cache_dir), Path(folder), key)
