@@ -33,10 +33,8 @@ import torch
 torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu")
 import triton  # noqa: F401
 from lantau.engine.import_ahead import loaded_files
-paths = loaded_files()
-libs = [p for p in paths if ".so" in os.path.basename(p)]
-print(json.dumps({"libs": libs, "mods": paths[len(libs):],
-                  "lib_bytes": sum(os.path.getsize(p) for p in libs)}))
+libs, mods = loaded_files()
+print(json.dumps({"libs": libs, "mods": mods, "lib_bytes": sum(map(os.path.getsize, libs))}))
 """
 
 TIMED = r"""

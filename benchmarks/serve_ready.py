@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -41,7 +40,7 @@ PROFILE_RATE = 200  # py-spy samples a second (each 5 ms of a thread's time)
 def evict(model: str | None, packages: bool = False) -> int:
     """Drop the model's weight files (and the site-packages) from the page cache; the bytes
     they hold."""
-    from lantau.engine.import_ahead import advise
+    from lantau.engine.import_ahead import advise, package_folders
     from lantau.model.manifest import read_manifest
     from lantau.model.source import resolve_model_source
 
@@ -54,7 +53,7 @@ def evict(model: str | None, packages: bool = False) -> int:
     else:
         paths = [source.path] if source.kind == "gguf" else []
     if packages:
-        for root in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        for root in package_folders():
             paths += [p for p in Path(root).rglob("*") if p.is_file()]
     return advise(paths, os.POSIX_FADV_DONTNEED)
 

@@ -70,7 +70,7 @@ def test_start_advises_each_listed_file_and_passes_over_missing_ones(cache, tmp_
 def test_a_package_installed_makes_a_new_list(cache, tmp_path, monkeypatch):
     site = tmp_path / "site"
     site.mkdir()
-    monkeypatch.setattr(import_ahead, "_package_folders", lambda: [str(site)])
+    monkeypatch.setattr(import_ahead, "package_folders", lambda: [str(site)])
     before = import_ahead._entry()
     (site / "newpkg").mkdir()
     os.utime(site, ns=(os.stat(site).st_atime_ns, os.stat(site).st_mtime_ns + 10**9))

@@ -24,7 +24,7 @@ from pathlib import Path
 from lantau import envs
 
 
-def _package_folders() -> list[str]:
+def package_folders() -> list[str]:
     """The interpreter's site-packages (where torch and its libraries live)."""
     paths = sysconfig.get_paths()
     return sorted({paths["purelib"], paths["platlib"]})
@@ -35,7 +35,7 @@ def _entry() -> Path | None:
     kernel compile writes it for the first serve), a package installed or removed makes a
     new one (the folder's time changes)."""
     folders = []
-    for folder in _package_folders():
+    for folder in package_folders():
         try:
             folders.append([folder, os.stat(folder).st_mtime_ns])
         except OSError:
@@ -43,8 +43,8 @@ def _entry() -> Path | None:
     return envs.cache_entry("imports", json.dumps([sys.executable, sys.version, folders]))
 
 
-def loaded_files() -> list[str]:
-    """The shared libraries this process maps, largest first, then every loaded module's
+def loaded_files() -> tuple[list[str], list[str]]:
+    """The shared libraries this process maps, largest first, and every loaded module's
     source and bytecode files."""
     sizes: dict[str, int] = {}
     try:
@@ -66,7 +66,7 @@ def loaded_files() -> list[str]:
             pyc = importlib.util.cache_from_source(src)
             if os.path.isfile(pyc):
                 modules.add(pyc)
-    return sorted(sizes, key=sizes.__getitem__, reverse=True) + sorted(modules)
+    return sorted(sizes, key=sizes.__getitem__, reverse=True), sorted(modules)
 
 
 def advise(paths: list, advice: int | None = None) -> int:
@@ -104,15 +104,16 @@ def start() -> threading.Thread | None:
 
 
 def record() -> None:
-    """List this process's files for the next start, once (the first start after an upgrade
-    writes a new entry: the key holds the interpreter and its path)."""
+    """List this process's files for the next start, libraries first, once (the first start
+    after an install writes a new entry: the key holds the site-packages' times)."""
     entry = _entry()
     if entry is None or entry.exists():
         return
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(loaded_files()))
+        libraries, modules = loaded_files()
+        tmp.write_text(json.dumps(libraries + modules))
         os.replace(tmp, entry)
     except OSError:  # a read-only cache: no list, no read-ahead
         pass
