@@ -480,10 +480,10 @@ def w2_bf16(ref: dict) -> None:
 def fp8_8b_engine(max_num_seqs: int):
     from lantau import LLM
 
+    args = {"max_num_batched_tokens": 65536, **FP8_ENGINE_ARGS}  # --fp8-engine-args may set it
     return LLM(
-        "random:llama3-8b", dtype="fp8", max_model_len=4096, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=65536, **FP8_ENGINE_ARGS,
-    )  # fmt: skip
+        "random:llama3-8b", dtype="fp8", max_model_len=4096, max_num_seqs=max_num_seqs, **args
+    )
 
 
 def more_sizes(make, sizes: list[int], runs) -> None:
