@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
-import statistics
 import time
 import traceback
 
 import torch
 from _stages import Stages, rel_err
 
+from lantau.bench.step_log import wall_step_times
 from lantau.metrics.gc_pauses import GcPauses
 
 section = Stages()
@@ -377,7 +376,7 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
         core.on_step = None
         pauses.uninstall()
     stats["num_prompts_default"] = default_n
-    stats["steps"] = step_times(records)
+    stats["steps"] = wall_step_times(records)
     collected = pauses.drain()
     stats["gc"] = {
         "collections": len(collected),
@@ -408,43 +407,6 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
         )
     )
     return stats
-
-
-def step_times(records: list[dict]) -> dict:
-    """The run's steps by kind (decode: one token a request; mixed: prompt tokens in it): count,
-    wall seconds, mean and median ms, requests and tokens. A step's time is the gap between the
-    launches after it: with overlapped steps the call that launches step i + 1 first waits for
-    step i - 1 (device-bound runs: the gaps are the device's step times, one step late). Where
-    the mean exceeds the median: `slow` steps (over twice the median) and the seconds they
-    took past it (a stall: the host away, not the device), `behind`: the steps that had ended
-    (their ids copied) before the next step's launch, so the device idled in between (the
-    host the slower side), and the host's mean ms a call
-    (`call_ms`: scheduling, launch, the wait, collecting and updating)."""
-    from lantau.bench.step_log import step_kind
-
-    by_kind: dict[str, list[tuple[dict, dict, dict]]] = {}
-    for before, (a, b) in zip(records, itertools.pairwise(records[1:]), strict=False):
-        by_kind.setdefault(step_kind(before), []).append((before, a, b))
-    kinds: dict[str, dict] = {}
-    for kind, steps in by_kind.items():
-        n = len(steps)
-        times = [b["t"] - a["t"] for _, a, b in steps]
-        p50 = statistics.median(times)
-        slow = [t - p50 for t in times if t > 2 * p50]
-        kinds[kind] = {
-            "steps": n,
-            "s": round(sum(times), 2),
-            "reqs": sum(before["reqs"] for before, _, _ in steps) // n,
-            "tokens": sum(before["tokens"] for before, _, _ in steps) // n,
-            "behind": sum(a["behind"] for _, a, _ in steps),  # the launch after it came late
-            "call_ms": round(sum(b["call_ms"] for _, _, b in steps) / n, 2),
-            "ms": round(1e3 * sum(times) / n, 2),
-            "p50_ms": round(1e3 * p50, 2),
-            "max_ms": round(1e3 * max(times), 2),
-            "slow": len(slow),
-            "slow_s": round(sum(slow), 3),
-        }
-    return kinds
 
 
 def reference_inputs(vocab: int):

@@ -548,3 +548,39 @@ def test_step_log_summary_is_exact():
     # a window: the steps that began in it; another core's steps and times stay its own
     late = summarize_steps(records, 0.015, 0.04)
     assert late["steps"] == 3 and late["by_kind"]["decode"]["device_ms"] == 3.0
+
+
+def test_wall_step_times_follow_what_each_call_collected():
+    """Host-clock step times (an offline engine's records): the gap after the call that
+    collected a step is that step's; a prefill chunk that sampled nothing is collected by no
+    call, so the device's long interval (the chunk and the decode step after it) is one mixed
+    step, not a short mixed step and a decode step that seems to stall for it. Records
+    without `collected` keep the old reading (each call took the step before it)."""
+    from lantau.bench.step_log import wall_step_times
+
+    def rec(step, t, reqs, tokens, collected, behind=False):
+        return {"step": step, "t": t, "reqs": reqs, "tokens": tokens, "call_ms": 1.0,
+                "behind": behind, "collected": collected}  # fmt: skip
+
+    # steps: 1 decode (10 ms), 2 a chunk alone (no samples, 500 ms), then decodes of 10 ms.
+    # Call 1 waits for nothing, call 2 for step 1 (done at 10 ms), call 3 for nothing (step 2
+    # sampled nothing), call 4 for step 3 (queued behind 2: done at 520 ms), and so on
+    t = [0.0, 0.0, 0.010, 0.010, 0.520, 0.530, 0.540]
+    records = [
+        rec(1, t[0], 4, 4, None),
+        rec(2, t[1], 5, 400, 1),
+        rec(3, t[2], 4, 4, None),
+        rec(4, t[3], 4, 4, 3, behind=True),
+        rec(5, t[4], 4, 4, 4),
+        rec(6, t[5], 4, 4, 5),
+        rec(7, t[6], 0, 0, 6),  # the last step's time needs a call after it: not counted
+    ]
+    s = wall_step_times(records)
+    assert s["mixed"]["steps"] == 1 and s["mixed"]["tokens"] == 400
+    assert abs(s["mixed"]["s"] - 0.51) < 1e-9 and s["mixed"]["behind"] == 1
+    assert s["decode"]["steps"] == 3 and s["decode"]["slow"] == 0  # steps 1, 4 and 5
+    assert s["decode"]["max_ms"] == 10.0 and s["decode"]["ms"] == 10.0
+    # the old reading of the same clock: step 3 "stalls" 510 ms, the chunk takes none
+    old = wall_step_times([{k: v for k, v in r.items() if k != "collected"} for r in records])
+    assert old["decode"]["steps"] == 4 and old["decode"]["max_ms"] == 510.0
+    assert old["decode"]["slow"] == 1 and old["mixed"]["ms"] == 0.0

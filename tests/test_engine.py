@@ -448,6 +448,27 @@ def test_on_step_records_every_step(tiny_llama_dir, async_scheduling):
     assert max(r["tokens"] - r["decodes"] for r in records) <= 3 + 3  # chunks of at most 4
     assert all(r["device_ms"] is None and 0 <= r["host_ms"] <= r["call_ms"] for r in records)
     assert not any(r["behind"] for r in records)  # no copies to find done on the CPU
+    if async_scheduling:  # each call takes the step in flight, if it sampled
+        assert all(r["collected"] in (None, r["step"] - 1) for r in records)
+        assert records[0]["collected"] is None  # nothing in flight yet
+    else:
+        assert all(r["collected"] == r["step"] for r in records)
+
+
+def test_a_step_that_samples_nothing_is_collected_by_no_call(tiny_llama_dir):
+    """Overlapped steps: a lone prompt cut into chunks of at most 4 samples nothing until its last
+    chunk, so no call waits for the first two steps; the records say so (`collected`), which
+    lantau.bench.step_log.wall_step_times needs to time steps from the host's clock."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, num_kv_blocks=32,
+              long_prefill_token_threshold=4)  # fmt: skip
+    records: list[dict] = []
+    llm.engine.core.on_step = records.append
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(3, 13))}], params)  # 10 tokens: 3 chunks
+    # then two decodes (the prompt's last chunk sampled the first token) and an empty step
+    # that collects the last
+    assert [r["tokens"] for r in records] == [4, 3, 3, 1, 1, 0]
+    assert [r["collected"] for r in records] == [None, None, None, 3, 4, 5]
 
 
 def test_waiting_prompts_take_the_seats_of_requests_ending_in_flight(tiny_llama_dir):

@@ -11,6 +11,7 @@ step it collected (`timed_step`, `device_ms`).
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 MIXED_BUCKET = 64  # tokens: the mixed steps' CUDA-graph buckets
@@ -85,3 +86,57 @@ def describe(summary: dict) -> str:
                      f"host {k['host_ms']} ms, call {k['call_ms']} ms, "
                      f"{k['behind']} launched behind")  # fmt: skip
     return "; ".join(parts)
+
+
+def wall_step_times(records: list[dict]) -> dict:
+    """The steps by kind from the host's clock alone (no CUDA events: an offline engine's
+    `on_step` records): count, wall seconds, mean / median / longest ms, requests and tokens,
+    and where the mean exceeds the median the `slow` ones (over twice the median) with the
+    seconds they took past it, `behind` (launches that found the step before already over: the
+    device idled for the host) and the host's mean ms a call.
+
+    With overlapped steps a call waits for the step in flight and returns when it is done, so
+    the gap from the call that collected step i to the next call is step i's time (the
+    device's, when it is the slower side). A step that sampled nothing (a prompt's chunk
+    alone) is collected by no call: the device runs it and the step after it before anyone
+    waits, so both are one interval, counted as one step of the longer kind (mixed) rather
+    than a short mixed step and a decode step that seems to stall for the whole prefill.
+    Records without `collected` (older logs) count as collecting the step before them."""
+    by_step = {r["step"]: r for r in records}
+    groups: list[tuple[list[dict], float, list[dict]]] = []  # steps, seconds, the calls
+    last, seconds, calls = 0, 0.0, []
+    for a, b in zip(records, records[1:], strict=False):
+        seconds += b["t"] - a["t"]
+        calls.append(a)
+        done = a.get("collected", a["step"] - 1)
+        if done is None or done < 1:
+            continue  # nothing collected yet: the time belongs to the steps still in flight
+        steps = [by_step[n] for n in range(last + 1, done + 1) if n in by_step]
+        if steps:
+            groups.append((steps, seconds, calls))
+        last, seconds, calls = done, 0.0, []
+    kinds: dict[str, list[tuple[dict, float, list[dict]]]] = {}
+    for steps, s, group_calls in groups:
+        mixed = [r for r in steps if step_kind(r) == "mixed"]
+        lead = mixed[0] if mixed else steps[-1]
+        kinds.setdefault(step_kind(lead), []).append((lead, s, group_calls))
+    out = {}
+    for kind, rows in kinds.items():
+        times = [s for _, s, _ in rows]
+        p50 = statistics.median(times)
+        slow = [t - p50 for t in times if t > 2 * p50]
+        group_calls = [c for _, _, cs in rows for c in cs]
+        out[kind] = {
+            "steps": len(rows),
+            "s": round(sum(times), 2),
+            "reqs": sum(lead["reqs"] for lead, _, _ in rows) // len(rows),
+            "tokens": sum(lead["tokens"] for lead, _, _ in rows) // len(rows),
+            "behind": sum(bool(c.get("behind")) for c in group_calls),
+            "call_ms": round(sum(c["call_ms"] for c in group_calls) / len(group_calls), 2),
+            "ms": round(1e3 * sum(times) / len(rows), 2),
+            "p50_ms": round(1e3 * p50, 2),
+            "max_ms": round(1e3 * max(times), 2),
+            "slow": len(slow),
+            "slow_s": round(sum(slow), 3),
+        }
+    return out

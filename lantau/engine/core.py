@@ -285,14 +285,17 @@ class EngineCore:
             outputs = self._update(out, step)
             self.num_steps += 1
             if self.on_step is not None:
-                self.on_step(self._step_record(out, started, launched_at, True, None, False))
+                record = self._step_record(out, started, launched_at, True, None, False)
+                self.on_step({**record, "collected": self.num_steps})
             return outputs
         key = step_key(self.last_batch_size, self.last_num_batched_tokens)
         outputs, self._collected_early = self._collected_early, []
         done_at, waited = launched_at, True  # nothing in flight: this step starts at once
+        collected = None  # the number of the step this call collected, if any
         if self._in_flight is not None:
             outputs += self._update(*self._in_flight)
             done_at, waited = time.monotonic(), self._in_flight[1].sampled.waited
+            collected = self.num_steps
         self.runner.sample(step)
         self._in_flight = (out, step) if step.sample_ids else None
         self.num_steps += 1
@@ -307,7 +310,8 @@ class EngineCore:
                 self._timed = (key, timer, self.num_steps)
             self.pacer.collected(done_at, waited, key if self._in_flight else None)
         if self.on_step is not None:
-            self.on_step(self._step_record(out, started, launched_at, waited, timed, behind))
+            record = self._step_record(out, started, launched_at, waited, timed, behind)
+            self.on_step({**record, "collected": collected})
         return outputs
 
     def _step_record(
@@ -316,7 +320,9 @@ class EngineCore:
         """One step: when it began (time.monotonic()), the host's time to launch it and the
         whole call's (with overlapped steps, the wait for the step before included), its
         batch; whether the step before had ended before its launch; and the device time of
-        the step it collected (CUDA events, when paced)."""
+        the step it collected (CUDA events, when paced). The caller adds `collected`: the
+        number of the step whose results the call took (its own one at a time; the one in
+        flight overlapped; None where that step sampled nothing, a prompt's chunk alone)."""
         now = time.monotonic()
         return {
             "step": self.num_steps,
