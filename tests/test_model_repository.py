@@ -469,8 +469,10 @@ def test_metrics_per_model_and_version(tmp_path, built):
         # b swapped to version 2 while a request streams on version 1: version 1 reports
         # while it drains, its series go once it stops; version 2's count from 0
         shutil.copytree(built / "v2", repo / "b" / "2")
-        stream = iter(client.completions.create(model="b", prompt="Hi", max_tokens=100,
-                                                stream=True))  # fmt: skip
+        stream = iter(client.completions.create(
+            model="b", prompt="Hi", max_tokens=100, stream=True,
+            stream_options={"include_usage": True},
+        ))  # fmt: skip
         next(stream)
         url, answers = f"{server.base}/v2/repository/models/b/load", []
         loading = threading.Thread(target=lambda: answers.append(httpx.post(url, timeout=120)))
@@ -480,7 +482,12 @@ def test_metrics_per_model_and_version(tmp_path, built):
         m = scrape_until(server, lambda m: sample(m, "lantau:model_version_serving", **serving))
         assert sample(m, "lantau:num_requests_running", **b1) == 1  # draining, still there
         assert sample(m, "lantau:num_requests_running", **b2) == 0
-        assert len(list(stream)) == 99
+        # all 100 tokens came on version 1 (counted by usage, not chunks: a sampled token
+        # whose text is held back, part of a character, sends no chunk of its own)
+        rest = list(stream)
+        assert rest[-1].usage.completion_tokens == 100 and rest[-1].model == "b"
+        assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
+        assert {c.system_fingerprint for c in rest if c.choices} == {"b:1"}
         loading.join()
         assert answers[0].status_code == 200, answers[0].text
         client.completions.create(model="b", prompt="Hello", max_tokens=3)
