@@ -103,7 +103,9 @@ def wall_step_times(records: list[dict]) -> dict:
     than a short mixed step and a decode step that seems to stall for the whole prefill.
     Records without `collected` (older logs) count as collecting the step before them."""
     by_step = {r["step"]: r for r in records}
-    groups: list[tuple[list[dict], float, list[dict]]] = []  # steps, seconds, the calls
+    # by kind: each interval's lead step (its mixed one, else the step collected), its
+    # seconds and the calls in it
+    kinds: dict[str, list[tuple[dict, float, list[dict]]]] = {}
     last, seconds, calls = 0, 0.0, []
     for a, b in zip(records, records[1:], strict=False):
         seconds += b["t"] - a["t"]
@@ -113,13 +115,9 @@ def wall_step_times(records: list[dict]) -> dict:
             continue  # nothing collected yet: the time belongs to the steps still in flight
         steps = [by_step[n] for n in range(last + 1, done + 1) if n in by_step]
         if steps:
-            groups.append((steps, seconds, calls))
+            lead = next((r for r in steps if step_kind(r) == "mixed"), steps[-1])
+            kinds.setdefault(step_kind(lead), []).append((lead, seconds, calls))
         last, seconds, calls = done, 0.0, []
-    kinds: dict[str, list[tuple[dict, float, list[dict]]]] = {}
-    for steps, s, group_calls in groups:
-        mixed = [r for r in steps if step_kind(r) == "mixed"]
-        lead = mixed[0] if mixed else steps[-1]
-        kinds.setdefault(step_kind(lead), []).append((lead, s, group_calls))
     out = {}
     for kind, rows in kinds.items():
         times = [s for _, s, _ in rows]

@@ -285,8 +285,10 @@ class EngineCore:
             outputs = self._update(out, step)
             self.num_steps += 1
             if self.on_step is not None:
-                record = self._step_record(out, started, launched_at, True, None, False)
-                self.on_step({**record, "collected": self.num_steps})
+                record = self._step_record(
+                    out, started, launched_at, True, None, False, self.num_steps
+                )
+                self.on_step(record)
             return outputs
         key = step_key(self.last_batch_size, self.last_num_batched_tokens)
         outputs, self._collected_early = self._collected_early, []
@@ -310,19 +312,20 @@ class EngineCore:
                 self._timed = (key, timer, self.num_steps)
             self.pacer.collected(done_at, waited, key if self._in_flight else None)
         if self.on_step is not None:
-            record = self._step_record(out, started, launched_at, waited, timed, behind)
-            self.on_step({**record, "collected": collected})
+            record = self._step_record(out, started, launched_at, waited, timed, behind, collected)
+            self.on_step(record)
         return outputs
 
     def _step_record(
-        self, out: SchedulerOutput, started, launched_at, waited, timed, behind: bool
-    ) -> dict:
+        self, out: SchedulerOutput, started, launched_at, waited, timed, behind: bool,
+        collected: int | None,
+    ) -> dict:  # fmt: skip
         """One step: when it began (time.monotonic()), the host's time to launch it and the
         whole call's (with overlapped steps, the wait for the step before included), its
         batch; whether the step before had ended before its launch; and the device time of
-        the step it collected (CUDA events, when paced). The caller adds `collected`: the
-        number of the step whose results the call took (its own one at a time; the one in
-        flight overlapped; None where that step sampled nothing, a prompt's chunk alone)."""
+        the step it collected (CUDA events, when paced); `collected`: the number of the step
+        whose results the call took (its own one at a time; the one in flight overlapped;
+        None where that step sampled nothing, a prompt's chunk alone)."""
         now = time.monotonic()
         return {
             "step": self.num_steps,
@@ -337,6 +340,7 @@ class EngineCore:
             "behind": behind,  # the step before had ended before this launch: the device idled
             "timed_step": timed[0] if timed else None,
             "device_ms": round(1e3 * timed[1], 3) if timed and timed[1] is not None else None,
+            "collected": collected,
         }
 
     def _update(self, out: SchedulerOutput, step: LaunchedStep) -> list[EngineCoreOutput]:
