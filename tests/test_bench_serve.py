@@ -426,7 +426,10 @@ def test_cli_lora_modules_spread_requests_over_adapters(tmp_path):
     by_model = result["by_model"]
     assert sorted(by_model) == ["a", "b", "c"]
     assert [by_model[m]["num_completed"] for m in "abc"] == [picks[0].count(m) for m in "abc"]
-    assert by_model["b"]["ttft"]["mean"] > 50 > max(by_model[m]["ttft"]["mean"] for m in "ac")
+    # b answers 60 ms later: asserted as a margin over the others, not as a bound on their own
+    # time, which a busy machine's scheduling delays lengthen for every adapter alike
+    ttft = {m: by_model[m]["ttft"]["mean"] for m in "abc"}
+    assert ttft["b"] >= 65 and ttft["b"] - max(ttft["a"], ttft["c"]) > 30, ttft
     assert "## By model" in (tmp_path / "0" / "report.md").read_text()
 
 
