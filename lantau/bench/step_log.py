@@ -10,6 +10,7 @@ step it collected (`timed_step`, `device_ms`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -106,9 +107,9 @@ def wall_step_times(records: list[dict]) -> dict:
     # by kind: each interval's lead step (its mixed one, else the step collected), its
     # seconds and the calls in it
     kinds: dict[str, list[tuple[dict, float, list[dict]]]] = {}
-    last, seconds, calls = 0, 0.0, []
-    for a, b in zip(records, records[1:], strict=False):
-        seconds += b["t"] - a["t"]
+    last, calls = 0, []
+    start = records[0]["t"] if records else 0.0  # the open interval's first call
+    for a, b in itertools.pairwise(records):
         calls.append(a)
         done = a.get("collected", a["step"] - 1)
         if done is None or done < 1:
@@ -116,8 +117,8 @@ def wall_step_times(records: list[dict]) -> dict:
         steps = [by_step[n] for n in range(last + 1, done + 1) if n in by_step]
         if steps:
             lead = next((r for r in steps if step_kind(r) == "mixed"), steps[-1])
-            kinds.setdefault(step_kind(lead), []).append((lead, seconds, calls))
-        last, seconds, calls = done, 0.0, []
+            kinds.setdefault(step_kind(lead), []).append((lead, b["t"] - start, calls))
+        last, start, calls = done, b["t"], []
     out = {}
     for kind, rows in kinds.items():
         times = [s for _, s, _ in rows]
