@@ -6,7 +6,10 @@ its torch reference; the best per shape is printed against the default in a clos
                            with --all), with and without PDL, and the preloading tilings; TB/s
     --kernel decode-attn   split decode attention: split counts x tiles at W3-1000's decode
                            (384 rows of 1000-2000 keys) and W2's (1 row, 640 keys); TB/s of KV
-    --kernel prefill-attn  unified attention tiles at the W3 / W5 prefill shapes; TFLOP/s
+    --kernel prefill-attn  unified attention tiles at the W3 / W5 prefill shapes; TFLOP/s; with
+                           --kv-dtype fp8 over an e4m3 cache; where every request is a whole
+                           prompt of one length, torch's SDPA (flash, contiguous bf16 K/V) as
+                           the same-run ceiling
 
     PYTHONPATH=. python3 benchmarks/kernel_sweep.py --kernel gemv [--all]
 
@@ -38,7 +41,7 @@ PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the
     (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 2), (128, 64, 4, 2),
     (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
     (16, 64, 4, 2), (16, 128, 4, 2), (32, 64, 4, 2), (32, 128, 4, 2), (16, 64, 2, 2),
-    (16, 128, 2, 2), (16, 256, 4, 2), (32, 128, 8, 2),
+    (16, 128, 2, 2), (16, 256, 4, 2), (32, 128, 8, 2), (256, 64, 8, 2), (128, 32, 4, 2),
 ]  # fmt: skip
 PREFILL_SHAPES = {  # name -> [(context before, new tokens)] per request
     "W3-2048 prefill 4x2048": [(0, 2048)] * 4,
@@ -173,10 +176,35 @@ def sweep_decode_attn() -> tuple[dict, list[str]]:
     return results, table
 
 
-def sweep_prefill_attn(only: str = "") -> tuple[dict, list[str]]:
+def sdpa_ceiling_ms(q: torch.Tensor, requests: list[tuple[int, int]]) -> float | None:
+    """torch's SDPA (flash) over the same prompts as contiguous bf16 [B, H, L, D] tensors, GQA
+    by expanded K/V views: what a dense causal kernel reaches here. None unless every request
+    is a whole prompt of one length."""
+    import torch.nn.functional as F
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if any(c for c, _ in requests) or len({n for _, n in requests}) != 1:
+        return None
+    b, n = len(requests), requests[0][1]
+    qd = q.view(b, n, HEADS, DIM).transpose(1, 2)
+    k = torch.randn(b, KV_HEADS, n, DIM, device="cuda", dtype=q.dtype)
+    v = torch.randn_like(k)
+    g = HEADS // KV_HEADS
+    k = k[:, :, None].expand(b, KV_HEADS, g, n, DIM).reshape(b, HEADS, n, DIM)
+    v = v[:, :, None].expand(b, KV_HEADS, g, n, DIM).reshape(b, HEADS, n, DIM)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return triton.testing.do_bench(
+            lambda: F.scaled_dot_product_attention(qd, k, v, is_causal=True),
+            warmup=25, rep=100, return_mode="median",
+        )  # fmt: skip
+
+
+def sweep_prefill_attn(only: str = "", kv_dtype: str = "bf16") -> tuple[dict, list[str]]:
     import triton.testing
 
     from lantau.kernels import unified_attention as ua
+    from lantau.kernels.attention_tiles import FP8_KV_DTYPE
     from lantau.kernels.reference import unified_attention_ref
 
     results, table = {}, []
@@ -184,10 +212,20 @@ def sweep_prefill_attn(only: str = "") -> tuple[dict, list[str]]:
         if only not in name:
             continue
         q, kv, qsl, seq, blocks = paged_batch(requests)
+        if kv_dtype == "fp8":
+            kv = kv.to(FP8_KV_DTYPE)  # unit scales: randn values lie well inside e4m3's range
         max_q, max_s = max(n for _, n in requests), max(c + n for c, n in requests)
         flop = 4.0 * HEADS * DIM * sum(c + i + 1 for c, n in requests for i in range(n))
         ref = unified_attention_ref(q, kv, qsl, seq, blocks, DIM**-0.5)
         out, row = torch.empty_like(q), {}
+        try:
+            sdpa_ms = sdpa_ceiling_ms(q, requests)
+        except Exception as e:  # no flash kernel for this GPU / dtype: no ceiling
+            print(name, "sdpa", type(e).__name__, str(e)[:80], flush=True)
+            sdpa_ms = None
+        if sdpa_ms:
+            row["sdpa flash"] = flop / sdpa_ms / 1e9
+            row["sdpa flash us"] = sdpa_ms * 1e3
         for tile in PREFILL_TILES:
 
             def run(tile=tile, args=(q, kv, out, qsl, seq, blocks, max_q, max_s)):
@@ -203,12 +241,13 @@ def sweep_prefill_attn(only: str = "") -> tuple[dict, list[str]]:
             except Exception as e:  # a tiling that does not build (shared memory): skipped
                 print(name, tile, type(e).__name__, str(e)[:80], flush=True)
         results[name] = row
-        best = max((k for k in row if not k.endswith("us")), key=row.get)
+        best = max((k for k in row if not k.endswith("us") and k != "sdpa flash"), key=row.get)
         base = str(PREFILL_TILES[0])
+        ceiling = f"{row['sdpa flash']:.1f} TFLOP/s" if "sdpa flash" in row else "-"
         table.append(
-            f"| prefill {name} | default {row.get(base, float('nan')):.1f} TFLOP/s, "
+            f"| prefill {kv_dtype} {name} | default {row.get(base, float('nan')):.1f} TFLOP/s, "
             f"{row.get(base + ' us', float('nan')):.1f} us | {best} {row[best]:.1f} TFLOP/s, "
-            f"{row[best + ' us']:.1f} us |"
+            f"{row[best + ' us']:.1f} us | {ceiling} |"
         )
         print(table[-1], flush=True)
     return results, table
@@ -219,6 +258,7 @@ def main() -> None:
     p.add_argument("--kernel", required=True, choices=["gemv", "decode-attn", "prefill-attn"])
     p.add_argument("--all", action="store_true", help="gemv: every K-loop tiling, not the default")
     p.add_argument("--shapes", default="", help="prefill-attn: only shapes whose name has this")
+    p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"], help="prefill-attn")
     args = p.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     if args.kernel == "gemv":
@@ -226,11 +266,12 @@ def main() -> None:
     elif args.kernel == "decode-attn":
         results, table = sweep_decode_attn()
     else:
-        results, table = sweep_prefill_attn(args.shapes)
-    path = os.path.join(os.environ.get("OUT", "."), f"kernel_sweep-{args.kernel}.json")
+        results, table = sweep_prefill_attn(args.shapes, args.kv_dtype)
+    suffix = f"-{args.kv_dtype}" if args.kernel == "prefill-attn" else ""
+    path = os.path.join(os.environ.get("OUT", "."), f"kernel_sweep-{args.kernel}{suffix}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
-    print("\n| shape | default | best |")
+    print("\n| shape | default | best | ceiling |")
     print("\n".join(table))
 
 
