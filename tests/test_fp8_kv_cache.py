@@ -116,6 +116,28 @@ def test_unified_attention_fp8_cache(dtype, k_scale, v_scale):
     torch.testing.assert_close(engine, ref_on(b, b["kv_cache"], k_scale=k_scale, v_scale=v_scale))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unified_attention_fp8_prefill_tile(monkeypatch, dtype):
+    """A prompt-heavy batch over an fp8 cache takes the 128-row tile (_FP8_PREFILL_BLOCK_M; 42
+    queries of 3 heads a tile here): prompts spanning tiles, one after a cached prefix, and a
+    decode row, against both references."""
+    tiles, unified_block_m = [], ua._unified_block_m
+
+    def recorded_block_m(*args):
+        tiles.append(unified_block_m(*args))
+        return tiles[-1]
+
+    monkeypatch.setattr(ua, "_unified_block_m", recorded_block_m)
+    requests = [(200, 200), (240, 190), (71, 1)]  # (seq_len, query rows)
+    b = quantize_batch(make_batch(requests, 6, 2, 32, dtype, seed=5), *SCALES[1])
+    check_both_refs(run_unified(b), b, dtype)
+    assert tiles == [ua._FP8_PREFILL_BLOCK_M]
+    # the same batch with decode rows to spare takes the 64-row tile
+    b = quantize_batch(make_batch(requests + [(91, 1)] * 2, 6, 2, 32, dtype, seed=5), *SCALES[1])
+    check_both_refs(run_unified(b), b, dtype)
+    assert tiles[1:] == [ua._PREFILL_BLOCK_M]
+
+
 @pytest.mark.parametrize(
     ("dtype", "k_scale", "v_scale"), [(torch.float32, *SCALES[0]), (torch.bfloat16, *SCALES[1])]
 )
@@ -267,8 +289,8 @@ _SM90_KERNELS = {
     "unified_attention._unified_attention_kernel": (
         dict(q_ptr="*bf16", kv_ptr="*fp8e4nv", out_ptr="*bf16", query_start_loc_ptr="*i32",
              seq_lens_ptr="*i32", block_tables_ptr="*i32", scale_log2="fp32", v_scale="fp32"),
-        dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_Q=16, BLOCK_N=64,
-             DOT_PRECISION="tf32"),
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=128, BLOCK_Q=32, BLOCK_N=64,
+             DOT_PRECISION="tf32"),  # the prefill tile over an fp8 cache
     ),
     "decode_attention._paged_decode_split_kernel": (
         dict(q_ptr="*bf16", kv_ptr="*fp8e4nv", out_ptr="*bf16", part_out_ptr="*fp32",

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from lantau.kernels.attention_tiles import (
+    FP8_KV_DTYPE,
     LOG2E,
     MIN_BLOCK_M,
     attend_tile,
@@ -32,6 +33,14 @@ from lantau.kernels.attention_tiles import (
 # tile shapes (module constants so tests can shrink them to stress tile boundaries); 64 x 64 with
 # 4 warps, 2 stages beat 128-row / 128-key / 3-stage tiles for bf16 prefill on an H200
 _PREFILL_BLOCK_M = 64  # one Hopper warpgroup MMA of query rows
+# an fp8 cache's K / V tiles go e4m3 -> fp16 through registers and back to shared memory before
+# the dots: 128 query rows share each conversion (H100: 275 against 249 TFLOP/s at 4 x 2,048
+# prompt tokens, 227 against 211 at 8 x 1,000; bf16 tiles stay best at 64). A decode row fills
+# 1 query of the tile's rows, so decodes cost more in it (8 x 1,000 prompt tokens beside 256
+# decodes of 1,500 keys: 953 against 773 us): the 128-row tile is for batches of at least
+# _FP8_PREFILL_MIN_AVG query rows a request
+_FP8_PREFILL_BLOCK_M = 128
+_FP8_PREFILL_MIN_AVG = 128
 _BLOCK_N = 64  # keys per iteration
 
 
@@ -135,14 +144,16 @@ def _unified_attention_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _unified_block_m(max_query_len: int, group: int) -> int:
+def _unified_block_m(max_query_len: int, group: int, fp8_prefill: bool = False) -> int:
     """Tile rows: enough for the longest request's rows x heads, capped at a prefill tile.
 
-    Decode-only batches get 16 rows (G heads of one token), prefill batches _PREFILL_BLOCK_M.
-    Only a performance choice: the grid covers every request whatever BLOCK_M is.
+    Decode-only batches get 16 rows (G heads of one token), prefill batches _PREFILL_BLOCK_M
+    (_FP8_PREFILL_BLOCK_M: fp8_prefill, an fp8 cache and few decode rows). Only a performance
+    choice: the grid covers every request whatever BLOCK_M is.
     """
+    cap = _FP8_PREFILL_BLOCK_M if fp8_prefill else _PREFILL_BLOCK_M
     rows = triton.next_power_of_2(max(max_query_len, 1) * group)
-    return max(triton.next_power_of_2(group), min(_PREFILL_BLOCK_M, max(MIN_BLOCK_M, rows)))
+    return max(triton.next_power_of_2(group), min(cap, max(MIN_BLOCK_M, rows)))
 
 
 def unified_attention(
@@ -186,8 +197,9 @@ def unified_attention(
         return
     block_size, num_kv_heads = kv_cache.shape[2:4]
     group = num_heads // num_kv_heads
+    fp8_prefill = kv_cache.dtype == FP8_KV_DTYPE and num_tokens >= _FP8_PREFILL_MIN_AVG * num_reqs
     block_m, block_n, num_warps, num_stages = tile or (
-        _unified_block_m(max_query_len, group),
+        _unified_block_m(max_query_len, group, fp8_prefill),
         _BLOCK_N,
         4,
         2,
