@@ -26,8 +26,10 @@ from lantau.kernels.pdl import pdl_wait
 # widest column tile of one program: past this a row is split over several programs, so that
 # decode batches of a few tokens still spread a wide MLP (d = 14336) over many SMs
 MAX_BLOCK_SIZE = 4096
-# widest row the quantizing kernel holds in registers (16 warps, 32 values a thread: llama3-8b's
-# 14,336); a wider one (70B's 28,672) takes two passes
+# widest row the quantizing kernel holds in registers (32 warps, 16 values a thread: llama3-8b's
+# 14,336); a wider one (70B's 28,672) takes two passes. 32 warps rather than 16: 287 against
+# 302 us at 8,192 rows, level at decode batches (H100, RESULTS.md 2026-12-07); either way one
+# program fills an SM's registers, and capping them (maxnreg 32: two programs an SM) added nothing
 MAX_QUANT_ROW = 16384
 
 
@@ -148,7 +150,7 @@ def silu_and_mul(
             x, out, *quant, x.stride(0), out.stride(0), d, *scales, BLOCK_SIZE=block_size,
             SCALED=scaled, ONE_PASS=one_pass,
             **pdl.launch_options(x.device, use_pdl),
-            num_warps=16 if one_pass else min(max(block_size // 512, 1), 8),
+            num_warps=32 if one_pass else min(max(block_size // 512, 1), 8),
         )  # fmt: skip
         return out
     block_size = min(triton.next_power_of_2(d), MAX_BLOCK_SIZE)
