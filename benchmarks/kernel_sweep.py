@@ -223,9 +223,6 @@ def sweep_prefill_attn(only: str = "", kv_dtype: str = "bf16") -> tuple[dict, li
         except Exception as e:  # no flash kernel for this GPU / dtype: no ceiling
             print(name, "sdpa", type(e).__name__, str(e)[:80], flush=True)
             sdpa_ms = None
-        if sdpa_ms:
-            row["sdpa flash"] = flop / sdpa_ms / 1e9
-            row["sdpa flash us"] = sdpa_ms * 1e3
         for tile in PREFILL_TILES:
 
             def run(tile=tile, args=(q, kv, out, qsl, seq, blocks, max_q, max_s)):
@@ -240,10 +237,13 @@ def sweep_prefill_attn(only: str = "", kv_dtype: str = "bf16") -> tuple[dict, li
                 row[f"{tile} us"] = ms * 1e3
             except Exception as e:  # a tiling that does not build (shared memory): skipped
                 print(name, tile, type(e).__name__, str(e)[:80], flush=True)
-        results[name] = row
-        best = max((k for k in row if not k.endswith("us") and k != "sdpa flash"), key=row.get)
+        best = max((k for k in row if not k.endswith("us")), key=row.get)
         base = str(PREFILL_TILES[0])
-        ceiling = f"{row['sdpa flash']:.1f} TFLOP/s" if "sdpa flash" in row else "-"
+        ceiling = "-"
+        if sdpa_ms:
+            row["sdpa flash"], row["sdpa flash us"] = flop / sdpa_ms / 1e9, sdpa_ms * 1e3
+            ceiling = f"{row['sdpa flash']:.1f} TFLOP/s"
+        results[name] = row
         table.append(
             f"| prefill {kv_dtype} {name} | default {row.get(base, float('nan')):.1f} TFLOP/s, "
             f"{row.get(base + ' us', float('nan')):.1f} us | {best} {row[best]:.1f} TFLOP/s, "

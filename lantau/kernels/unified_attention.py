@@ -144,13 +144,17 @@ def _unified_attention_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _unified_block_m(max_query_len: int, group: int, fp8_prefill: bool = False) -> int:
+def _unified_block_m(
+    max_query_len: int, group: int, num_tokens: int, num_reqs: int, fp8_cache: bool
+) -> int:
     """Tile rows: enough for the longest request's rows x heads, capped at a prefill tile.
 
-    Decode-only batches get 16 rows (G heads of one token), prefill batches _PREFILL_BLOCK_M
-    (_FP8_PREFILL_BLOCK_M: fp8_prefill, an fp8 cache and few decode rows). Only a performance
-    choice: the grid covers every request whatever BLOCK_M is.
+    Decode-only batches get 16 rows (G heads of one token), prefill batches _PREFILL_BLOCK_M,
+    or _FP8_PREFILL_BLOCK_M over an fp8 cache with at least _FP8_PREFILL_MIN_AVG query rows a
+    request (few decode rows). Only a performance choice: the grid covers every request
+    whatever BLOCK_M is.
     """
+    fp8_prefill = fp8_cache and num_tokens >= _FP8_PREFILL_MIN_AVG * num_reqs
     cap = _FP8_PREFILL_BLOCK_M if fp8_prefill else _PREFILL_BLOCK_M
     rows = triton.next_power_of_2(max(max_query_len, 1) * group)
     return max(triton.next_power_of_2(group), min(cap, max(MIN_BLOCK_M, rows)))
@@ -197,9 +201,10 @@ def unified_attention(
         return
     block_size, num_kv_heads = kv_cache.shape[2:4]
     group = num_heads // num_kv_heads
-    fp8_prefill = kv_cache.dtype == FP8_KV_DTYPE and num_tokens >= _FP8_PREFILL_MIN_AVG * num_reqs
     block_m, block_n, num_warps, num_stages = tile or (
-        _unified_block_m(max_query_len, group, fp8_prefill),
+        _unified_block_m(
+            max_query_len, group, num_tokens, num_reqs, kv_cache.dtype == FP8_KV_DTYPE
+        ),
         _BLOCK_N,
         4,
         2,
