@@ -10,12 +10,16 @@ activation quantization, attention, the rest), the wave's wall time and its impl
 against the same-run ceilings (fp8 matmul TFLOP/s, copy TB/s).
 
     PYTHONPATH=. python3 benchmarks/fp8_kernel_profile.py [--models 8b,70b] [--rows 384,128]
-        [--workloads W3-128,W3-128] [--graphs]
+        [--workloads W3-128,W3-128] [--graphs] [--layers 40]
+
+`--layers N` builds each model with its first N layers only (same shapes: a 70B layer's kernels
+on a GPU that cannot hold 80 of them with their KV cache); a workload may be in:N/out:M.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -29,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 from lantau import LLM, SamplingParams
 from lantau.bench.offline import measure_ceilings
 from lantau.bench.workloads import make_workload
+from lantau.model.random_weights import RANDOM_SHAPES
 
 OUT = os.environ.get("OUT", ".")
 FAMILIES = [
@@ -131,9 +136,20 @@ def profiled(llm, prompts, max_tokens: int) -> dict:
 
 
 def run_model(
-    name: str, rows: int, workload: str, table: list, results: dict, graphs: bool = False
+    name: str,
+    rows: int,
+    workload: str,
+    table: list,
+    results: dict,
+    graphs: bool = False,
+    layers: int = 0,
 ) -> None:
-    model = {"8b": "random:llama3-8b", "70b": "random:llama3-70b"}[name]
+    model = {"8b": "llama3-8b", "70b": "llama3-70b"}[name]
+    if layers:  # the same shapes, fewer layers: registered under a name of its own
+        shape = dataclasses.replace(RANDOM_SHAPES[model], num_hidden_layers=layers)
+        model = f"{model}-{layers}l"
+        RANDOM_SHAPES[model] = shape
+    model = f"random:{model}"
     t = time.perf_counter()
     wave = make_workload(workload, 128256, rows)  # llama3's vocabulary, both sizes
     prompt_len, output_len = len(wave.prompts[0]), wave.max_tokens
@@ -178,6 +194,7 @@ def main() -> None:
     p.add_argument("--rows", default="384,128", help="max_num_seqs and wave size, per model")
     p.add_argument("--workloads", default="W3-128,W3-128", help="the waves' shape, per model")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs, as served (not eager)")
+    p.add_argument("--layers", type=int, default=0, help="the models' first N layers only")
     args = p.parse_args()
     table: list[tuple[str, str, str]] = []
     results: dict = {"ceilings": measure_ceilings(torch.device("cuda"))}
@@ -185,7 +202,7 @@ def main() -> None:
     runs = zip(args.models.split(","), args.rows.split(","), args.workloads.split(","), strict=True)
     for name, rows, workload in runs:
         try:
-            run_model(name, int(rows), workload, table, results, args.graphs)
+            run_model(name, int(rows), workload, table, results, args.graphs, args.layers)
         except Exception as e:  # the next model still runs
             table.append((name, "FAILED", f"{type(e).__name__}: {str(e)[:90]}"))
     os.makedirs(OUT, exist_ok=True)  # OUT may name a folder still to make (one a tree)

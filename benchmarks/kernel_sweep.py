@@ -9,7 +9,8 @@ its torch reference; the best per shape is printed against the default in a clos
     --kernel prefill-attn  unified attention tiles at the W3 / W5 prefill shapes; TFLOP/s; with
                            --kv-dtype fp8 over an e4m3 cache; where every request is a whole
                            prompt of one length, torch's SDPA (flash, contiguous bf16 K/V) as
-                           the same-run ceiling
+                           the same-run ceiling; where a step begins with decodes, the engine's
+                           op with them apart (decode kernel) against one unified launch
 
     PYTHONPATH=. python3 benchmarks/kernel_sweep.py --kernel gemv [--all]
 
@@ -19,6 +20,7 @@ Results go to $OUT/kernel_sweep-<kernel>.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -49,6 +51,10 @@ PREFILL_SHAPES = {  # name -> [(context before, new tokens)] per request
     "W3-128 prefill 64x128": [(0, 128)] * 64,
     "W5 chunk 16x512 after 512": [(512, 512)] * 16,
     "W3 mixed 8x1000 + 256 decodes at 1500": [(0, 1000)] * 8 + [(1499, 1)] * 256,
+    # as the scheduler orders a step (running decodes first): also timed with the decodes
+    # through the decode kernel (TritonOps.attention's num_decodes) against one launch
+    "W3 mixed 256 decodes at 1500 + 8x1000": [(1499, 1)] * 256 + [(0, 1000)] * 8,
+    "W3-2048 mixed 230 decodes at 2100 + 4x2048": [(2099, 1)] * 230 + [(0, 2048)] * 4,
     # W1 at 16 req/s: a 467-token prompt in two chunks (or one) beside ~20 decodes
     "W1 chunk 1: 236 + 20 decodes at 600": [(0, 236)] + [(599, 1)] * 20,
     "W1 chunk 2: 231 after 236 + 20 decodes at 600": [(236, 231)] + [(599, 1)] * 20,
@@ -206,8 +212,11 @@ def sweep_prefill_attn(only: str = "", kv_dtype: str = "bf16") -> tuple[dict, li
     from lantau.kernels import unified_attention as ua
     from lantau.kernels.attention_tiles import FP8_KV_DTYPE
     from lantau.kernels.reference import unified_attention_ref
+    from lantau.model.forward_context import AttentionMetadata
+    from lantau.model.ops import TritonOps
 
     results, table = {}, []
+    ops = TritonOps()
     for name, requests in PREFILL_SHAPES.items():
         if only not in name:
             continue
@@ -240,6 +249,20 @@ def sweep_prefill_attn(only: str = "", kv_dtype: str = "bf16") -> tuple[dict, li
         best = max((k for k in row if not k.endswith("us")), key=row.get)
         base = str(PREFILL_TILES[0])
         ceiling = "-"
+        num_decodes = next((i for i, (_, n) in enumerate(requests) if n != 1), len(requests))
+        if num_decodes:  # leading decodes: one launch (default tiles) against them apart
+            for arm, n in (("one launch", 0), ("decodes apart", num_decodes)):
+                meta = AttentionMetadata(None, qsl, seq, blocks, max_q, max_s, n)
+                attend = functools.partial(ops.attention, q, kv, meta, DIM**-0.5)
+                if rel_err(attend(), ref) > 1e-2:
+                    print(name, arm, "wrong", flush=True)
+                    continue
+                ms = triton.testing.do_bench(attend, warmup=25, rep=100, return_mode="median")
+                row[arm], row[f"{arm} us"] = flop / ms / 1e9, ms * 1e3
+            ceiling = (
+                f"one launch {row.get('one launch us', float('nan')):.1f} us, decodes apart "
+                f"{row.get('decodes apart us', float('nan')):.1f} us"
+            )
         if sdpa_ms:
             row["sdpa flash"], row["sdpa flash us"] = flop / sdpa_ms / 1e9, sdpa_ms * 1e3
             ceiling = f"{row['sdpa flash']:.1f} TFLOP/s"

@@ -18,6 +18,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402, F401  (fail, don't skip, when triton is missing)
@@ -186,6 +187,61 @@ def test_unified_attention_decode_only_matches_decode_kernel(dtype):
     assert_matches(out, engine_ref(b), dtype)
     rtol, atol = TOLERANCES[dtype]
     torch.testing.assert_close(run_decode(b, num_splits=2), out, rtol=rtol, atol=atol)
+
+
+# decodes first (as the scheduler orders a step: running requests, then new prompts), then a
+# prompt, a chunk after a cached prefix and a decode after them (not leading: stays unified)
+DECODES_FIRST = [(17, 1), (1, 1), (70, 1), (37, 37), (49, 9), (33, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unified_attention_on_a_batch_tail(dtype):
+    """q[r:] with query_start_loc[k:] (r = query_start_loc[k]): the tail's requests, rows as
+    the whole batch's launch writes them."""
+    b = make_batch(DECODES_FIRST, 6, 2, 32, dtype, seed=4)
+    whole = run_unified(b)
+    k = 3
+    r = int(b["query_start_loc"][k])
+    tail = dict(b, q=b["q"][r:], query_start_loc=b["query_start_loc"][k:])
+    tail.update(seq_lens=b["seq_lens"][k:], block_tables=b["block_tables"][k:])
+    out = run_unified(tail)
+    torch.testing.assert_close(out, whole[r:], rtol=0, atol=0)
+    assert_matches(out, engine_ref(b)[r:], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_ops_attend_leading_decodes_apart(dtype):
+    """TritonOps.attention with meta.num_decodes: the leading decodes through the decode
+    kernel, the rest in one unified launch, against the single launch and the reference."""
+    from lantau.model.forward_context import AttentionMetadata
+    from lantau.model.ops import TritonOps
+    from lantau.runner.step_inputs import StepInputs
+
+    b = make_batch(DECODES_FIRST, 6, 2, 32, dtype, seed=4)
+    qsl = b["query_start_loc"]
+    host = dict.fromkeys(["input_ids", "positions", "slot_mapping", "block_tables"])
+    step = StepInputs(**host, query_start_loc=qsl.numpy(), seq_lens=b["seq_lens"].numpy(),
+                      sample_ids=[], logits_indices=None)  # fmt: skip
+    num_decodes = step.num_leading_decodes
+    assert num_decodes == 3
+    for lens, leading in (([5, 1], 0), ([1, 1], 2)):
+        step.query_start_loc = np.cumsum([0, *lens], dtype=np.int32)
+        step.seq_lens = np.full(len(lens), 9, dtype=np.int32)
+        assert step.num_leading_decodes == leading
+
+    def attend(n: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            None, qsl, b["seq_lens"], b["block_tables"], b["max_query_len"], b["max_seq_len"], n
+        )
+        return TritonOps().attention(b["q"], b["kv_cache"], meta, b["scale"])
+
+    apart, together = attend(num_decodes), attend(0)
+    assert_matches(apart, engine_ref(b), dtype)
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(apart, together, rtol=rtol, atol=atol)
+    # the unified launch's rows are the same launch's as before, bit for bit
+    r = int(qsl[num_decodes])
+    torch.testing.assert_close(apart[r:], together[r:], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -45,17 +45,18 @@ _BLOCK_N = 64  # keys per iteration
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr):
+def _find_request(query_start_loc_ptr, base, tile_id, num_reqs, BLOCK_Q: tl.constexpr):
     """Request owning global query tile `tile_id`: binary search, no host sync.
 
-    Request i's tiles are numbered from query_start_loc[i] // BLOCK_Q + i, strictly increasing in
-    i; it owns at least ceil(num_q / BLOCK_Q) of them (some past its last row, which exit).
+    Request i's tiles are numbered from (query_start_loc[i] - base) // BLOCK_Q + i, strictly
+    increasing in i; it owns at least ceil(num_q / BLOCK_Q) of them (some past its last row,
+    which exit).
     """
     lo: tl.int32 = 0
     hi = num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile_id:
+        if (tl.load(query_start_loc_ptr + mid) - base) // BLOCK_Q + mid <= tile_id:
             lo = mid + 1
         else:
             hi = mid
@@ -94,9 +95,11 @@ def _unified_attention_kernel(
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = _find_request(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    num_q = tl.load(query_start_loc_ptr + req + 1) - q_start
+    # row 0 of q is query_start_loc[0]'s (a batch's tail: its leading rows another launch's)
+    base = tl.load(query_start_loc_ptr)
+    req = _find_request(query_start_loc_ptr, base, tile_id, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req) - base
+    num_q = tl.load(query_start_loc_ptr + req + 1) - base - q_start
     q_tile = tile_id - (q_start // BLOCK_Q + req)
     if q_tile * BLOCK_Q >= num_q:
         return  # the grid is an upper bound on the number of tiles
@@ -176,8 +179,10 @@ def unified_attention(
 ) -> None:
     """Causal attention of each request's query rows over its cached context, into out.
 
-    One launch for a batch mixing prefills, chunked prefills and decodes. Rows of out past
-    query_start_loc[-1] (padding) are not written. query_start_loc[0] must be 0.
+    One launch for a batch mixing prefills, chunked prefills and decodes. Request i's rows of q
+    start at query_start_loc[i] - query_start_loc[0] (so a batch's tail runs as q[r:] with
+    query_start_loc[k:], r = query_start_loc[k]); rows of out past the last request's are not
+    written.
     max_query_len / max_seq_len may be upper bounds: they only choose the tile shape.
     `tile` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default (for tuning).
     An fp8 cache (float8_e4m3fn) holds keys / k_scale and values / v_scale.
@@ -211,7 +216,8 @@ def unified_attention(
     )
     assert block_m >= group, f"BLOCK_M {block_m} holds less than one group of {group} heads"
     block_q = block_m // group
-    # request i's tiles start at query_start_loc[i] // block_q + i (see _find_request), so this
+    # request i's tiles start at query_start_loc[i] // block_q + i, query_start_loc[0] taken
+    # as 0 (see _find_request), so this
     # many tiles cover every request without reading query_start_loc on the host
     num_tiles = num_tokens // block_q + num_reqs
     _unified_attention_kernel[(num_tiles, num_kv_heads)](

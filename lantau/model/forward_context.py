@@ -20,6 +20,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
     max_query_len: int  # upper bounds: they choose tile shapes, the kernels read true lengths
     max_seq_len: int
+    # the leading requests of one query row each (decodes) that a step with prompt rows may
+    # attend through the decode kernel, the rest in the unified launch (0: all in one launch)
+    num_decodes: int = 0
 
     @property
     def is_decode_only(self) -> bool:

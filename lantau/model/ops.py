@@ -355,12 +355,23 @@ class TritonOps(_Compositions):
         return self.config.attn_short_keys if num_rows <= self.config.attn_small_rows else 0
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Decode-only steps through the decode kernel; a step with prompt rows in the unified
+        launch, its leading decodes (meta.num_decodes) apart through the decode kernel: in a
+        unified tile a decode fills one query row of many, and its keys go through the tile's
+        MMA path at a fraction of the decode kernel's rate."""
         if meta.is_decode_only:
             return self._decode_attention(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
+        n = meta.num_decodes
+        if n:
+            self._decode.paged_decode_attention(
+                q[:n], kv_cache, out[:n], meta.seq_lens[:n], meta.block_tables[:n],
+                meta.max_seq_len, scale, num_splits=self.config.attn_num_splits,
+                merge=self.config.attn_merge, use_pdl=self._pdl,
+            )  # fmt: skip
         self._unified.unified_attention(
-            q, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, meta.max_seq_len, scale,
+            q[n:], kv_cache, out[n:], meta.query_start_loc[n:], meta.seq_lens[n:],
+            meta.block_tables[n:], meta.max_query_len, meta.max_seq_len, scale,
         )  # fmt: skip
         return out
 

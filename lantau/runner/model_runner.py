@@ -404,6 +404,7 @@ class ModelRunner:
             block_tables=tensor(inputs.block_tables),
             max_query_len=inputs.max_query_len,
             max_seq_len=int(inputs.seq_lens.max()),
+            num_decodes=inputs.num_leading_decodes,
         )
         ctx = ForwardContext(meta, self.kv_caches, tensor(inputs.positions))
         if inputs.has_adapter_rows:  # else the base model's step: no deltas

@@ -41,3 +41,9 @@ class StepInputs:
     @property
     def max_query_len(self) -> int:
         return int(np.diff(self.query_start_loc).max())
+
+    @property
+    def num_leading_decodes(self) -> int:
+        """How many requests, from the first, have one query row each (decodes)."""
+        prompt = np.flatnonzero(np.diff(self.query_start_loc) != 1)
+        return int(prompt[0]) if len(prompt) else self.num_reqs
