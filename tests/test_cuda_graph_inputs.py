@@ -165,7 +165,8 @@ def test_mixed_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
     """The mixed steps' graphs (runner/mixed_graph.py), run on CPU without capture: the model's
     body on the staged buffers, padded to the step's token bucket with empty requests, and
     the previous step's device-sampled tokens written in, gives the eager step's logits; and
-    the greedy tokens are HF's, as the engine's are."""
+    the greedy tokens are HF's, as the engine's are. The eager steps attend their leading
+    decodes apart (AttentionMetadata.num_decodes: running requests lead a step's rows)."""
     llm = LLM(
         str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=128, max_num_seqs=4,
         max_num_batched_tokens=80, attention_backend="triton",
@@ -189,6 +190,15 @@ def test_mixed_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
         return logits
 
     runner._forward_logits = both
+    ops, decodes_apart = runner.model.ops, []
+    attention = ops.attention
+
+    def recording_attention(q, kv_cache, meta, scale):
+        if not meta.is_decode_only:
+            decodes_apart.append(meta.num_decodes)
+        return attention(q, kv_cache, meta, scale)
+
+    ops.attention = recording_attention
     rng = random.Random(11)
     lengths = (70, 9, 30, 3)  # 70: a chunk of 80 - decodes, then the rest
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
@@ -211,6 +221,7 @@ def test_mixed_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
     assert {64, 80} <= {bucket for _, bucket, _ in checked}
     assert any(n < bucket for n, bucket, _ in checked)
     assert any(reqs > 1 for *_, reqs in checked)
+    assert max(decodes_apart) >= 1 and 0 in decodes_apart  # and first steps of prompts alone
     model = transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
     for i, prompt in enumerate(prompts):
         assert results[f"r{i}"] == hf_greedy(model, prompt, 3)[0], i

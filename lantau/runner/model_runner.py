@@ -151,6 +151,15 @@ def profile_inputs(config: EngineConfig):
     return inputs, sum(blocks)
 
 
+def _row_order(out: SchedulerOutput) -> list[tuple[str, int]]:
+    """A step's requests in row order, (request id, tokens computed before this step): the
+    running ones first, as the scheduler ordered them (oldest first, so their decodes lead
+    the step and a prompt continuing from the last step comes after them; TritonOps.attention
+    attends leading decodes apart), then the new ones."""
+    scheduled = [(r.request_id, r.num_computed_tokens) for r in out.scheduled_cached_reqs]
+    return scheduled + [(r.request_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -318,8 +327,7 @@ class ModelRunner:
                 state.num_blocks = end
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        scheduled = [(r.request_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
-        scheduled += [(r.request_id, r.num_computed_tokens) for r in out.scheduled_cached_reqs]
+        scheduled = _row_order(out)
         num_reqs = len(scheduled)
         num_scheduled = out.num_scheduled_tokens
         token_ids: list[int] = []
@@ -451,8 +459,7 @@ class ModelRunner:
         """The requests collecting their prompt's logprobs with prompt positions in this
         step whose next token is a prompt token: (request id, the first such position's row
         in the step, those next tokens)."""
-        scheduled = [(r.request_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
-        scheduled += [(r.request_id, r.num_computed_tokens) for r in out.scheduled_cached_reqs]
+        scheduled = _row_order(out)
         found = []
         for i, (request_id, start) in enumerate(scheduled):
             state = self.states[request_id]
