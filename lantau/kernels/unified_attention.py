@@ -216,9 +216,9 @@ def unified_attention(
     )
     assert block_m >= group, f"BLOCK_M {block_m} holds less than one group of {group} heads"
     block_q = block_m // group
-    # request i's tiles start at query_start_loc[i] // block_q + i, query_start_loc[0] taken
-    # as 0 (see _find_request), so this
-    # many tiles cover every request without reading query_start_loc on the host
+    # request i's tiles start at (query_start_loc[i] - query_start_loc[0]) // block_q + i (see
+    # _find_request), so this many tiles cover every request without reading query_start_loc
+    # on the host
     num_tiles = num_tokens // block_q + num_reqs
     _unified_attention_kernel[(num_tiles, num_kv_heads)](
         q,
