@@ -47,7 +47,7 @@ class Layer:
     """One decoder layer's fp8 weights (e4m3, random) and its paged fp8 KV cache."""
 
     def __init__(self, model: str, rows: int, keys: int, seed: int) -> None:
-        hidden, (qkv_n, o_k, gate_up_n, down_k), heads, kv_heads = MODELS[model]
+        hidden, (qkv_n, o_k, gate_up_n, down_k), _, kv_heads = MODELS[model]
         gen = torch.Generator("cuda").manual_seed(seed)
 
         def weight(n: int, k: int) -> torch.Tensor:
@@ -56,7 +56,6 @@ class Layer:
 
         self.qkv, self.o = weight(qkv_n, hidden), weight(hidden, o_k)
         self.gate_up, self.down = weight(gate_up_n, hidden), weight(hidden, down_k)
-        self.heads, self.kv_heads = heads, kv_heads
         blocks_per = -(-keys // BLOCK)
         num_blocks = rows * blocks_per + 1
         self.kv = torch.randn(2, num_blocks, BLOCK, kv_heads, 128, generator=gen, device="cuda")
@@ -71,7 +70,6 @@ class Layer:
 def projections(x8: torch.Tensor, layer: Layer) -> torch.Tensor:
     """qkv, o, gate_up and down of a layer for x8's rows (e4m3), the products cast back to
     e4m3 as the next one's input (the quantizing writers' place)."""
-    m, hidden = x8.shape
     qkv = unscaled_mm(x8, layer.qkv)
     o_in = qkv[:, : layer.o.shape[1]].to(torch.float8_e4m3fn)
     h = unscaled_mm(o_in, layer.o).to(torch.float8_e4m3fn)

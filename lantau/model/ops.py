@@ -332,19 +332,24 @@ class TritonOps(_Compositions):
         out = self._act.silu_and_mul(x, use_pdl=self._pdl, **scales, quant=fused.get("quant"))
         return self._keep_quantized(out, fused)
 
-    def _decode_attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, rope=None):
+    def _decode_attention(
+        self, q, kv_cache, meta: AttentionMetadata, scale: float, rope=None, out=None
+    ):
         """Split-context decode attention under this config: a small batch (`rope`, see
         paged_decode_attention) with the small tile and merge, or the short tile in one-tile
-        splits when every context fits attn_short_keys. Returns [num_reqs, num_heads, head_dim]."""
+        splits when every context fits attn_short_keys. q: the step's first q.shape[0] requests,
+        one row each. Returns [num_rows, num_heads, head_dim] (into `out` if given)."""
         c = self.config
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        n = q.shape[0]
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tile, num_splits, merge = None, c.attn_num_splits, c.attn_merge
         if rope is not None:
             tile, merge = c.attn_small_tile, c.attn_small_merge
-            if self.short_context_keys(q.shape[0]) >= meta.max_seq_len:
+            if self.short_context_keys(n) >= meta.max_seq_len:
                 tile, num_splits = c.attn_short_tile, cdiv(c.attn_short_keys, c.attn_short_tile[0])
         self._decode.paged_decode_attention(
-            q, kv_cache, out, meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
+            q, kv_cache, out, meta.seq_lens[:n], meta.block_tables[:n], meta.max_seq_len, scale,
             num_splits=num_splits, config=tile, merge=merge, rope=rope, use_pdl=self._pdl,
         )  # fmt: skip
         return out
@@ -364,11 +369,7 @@ class TritonOps(_Compositions):
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n:
-            self._decode.paged_decode_attention(
-                q[:n], kv_cache, out[:n], meta.seq_lens[:n], meta.block_tables[:n],
-                meta.max_seq_len, scale, num_splits=self.config.attn_num_splits,
-                merge=self.config.attn_merge, use_pdl=self._pdl,
-            )  # fmt: skip
+            self._decode_attention(q[:n], kv_cache, meta, scale, out=out[:n])
         self._unified.unified_attention(
             q[n:], kv_cache, out[n:], meta.query_start_loc[n:], meta.seq_lens[n:],
             meta.block_tables[n:], meta.max_query_len, meta.max_seq_len, scale,
