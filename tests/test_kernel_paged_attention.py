@@ -14,6 +14,7 @@ bf16 MMA does with fp32 accumulation. The kernels themselves are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -439,18 +440,57 @@ def test_decode_rope_rejects_bad_inputs():
         da.paged_decode_attention(*args, rope=bad)
 
 
-def test_unified_attention_compiles_once_for_every_step_shape():
-    """The ints that change from step to step (the batch's request count, its block-table
-    width) are not specialized, so no serving step waits on a compile for a new variant."""
-    import os
-    import subprocess
-    import sys
+@contextlib.contextmanager
+def launch_keys(*kernels):
+    """Each launch of these (interpreted) kernels as the compiled JIT keys its cache on an sm90
+    GPU: every argument's specialization (an int's 1 or multiple of 16, a pointer's 16-byte
+    alignment) and the constexprs. A key the cache has not seen is a compile."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    code = (
-        "from lantau.kernels.unified_attention import _unified_attention_kernel as k\n"
-        "print(sorted(p.name for p in k.params if p.do_not_specialize))"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the JIT object
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "['num_reqs', 'stride_bt_req']"
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    keys: dict = {kernel: [] for kernel in kernels}
+    hooks = []
+    for kernel in kernels:
+        jit = JITFunction(kernel.fn, **kernel.kwargs)
+        binder = create_function_from_signature(jit.signature, jit.params, backend)
+
+        def hook(*args, _bind=binder, _keys=keys[kernel], **kwargs):
+            _keys.append(str(_bind(*args, **kwargs)[1]))
+
+        kernel.add_pre_run_hook(hook)
+        hooks.append((kernel, hook))
+    try:
+        yield keys
+    finally:
+        for kernel, hook in hooks:
+            kernel.pre_run_hooks.remove(hook)
+
+
+def test_attention_kernels_compile_once_for_every_step_shape():
+    """What changes from step to step (how many decodes lead the batch, so where its tail's
+    arrays start; the block tables' width, the step's longest context) picks no new variant of
+    either attention kernel: a serving step never waits on a compile (the CUDA graphs compile
+    the variants at start-up, with whole arrays and tables as wide as max_model_len allows)."""
+    from lantau.config import KernelConfig
+    from lantau.model.forward_context import AttentionMetadata
+    from lantau.model.ops import TritonOps
+
+    b = make_batch(DECODES_FIRST * 2, 6, 2, 32, torch.float32, seed=5)
+    qsl = b["query_start_loc"]
+    ops = TritonOps(KernelConfig(attn_num_splits=2))  # the split count is chosen, not the shape
+    with launch_keys(ua._unified_attention_kernel, da._paged_decode_split_kernel) as keys:
+        for width in (16, 17, 21):  # pads the tables: strides of 16, 17 and 21 ints
+            pad = torch.zeros(len(b["seq_lens"]), width - b["block_tables"].shape[1])
+            tables = torch.cat([b["block_tables"], pad.to(torch.int32)], dim=1)
+            for n in (0, 1, 2, 3):  # 1-3: the tail's int32 arrays 4-12 bytes past 16
+                meta = AttentionMetadata(
+                    None, qsl, b["seq_lens"], tables, b["max_query_len"], b["max_seq_len"], n
+                )
+                out = ops.attention(b["q"], b["kv_cache"], meta, b["scale"])
+                assert_matches(out, engine_ref(b), torch.float32)
+    unified, decode = keys.values()
+    assert len(unified) == 12 and len(decode) == 9
+    assert len(set(unified)) == 1, "the unified kernel compiles a variant for a step's shape"
+    assert len(set(decode)) == 1, "the decode kernel compiles a variant for a step's shape"

@@ -194,7 +194,9 @@ def _store_split_and_merge(
         tl.store(out_ptr + g_offs, merged.to(out_ty), (offs_g < GROUP)[:, None])
 
 
-@triton.jit
+# NOTE: the block tables' width is not specialized: an eager step's tables are as wide as its
+# longest context, a CUDA graph's as max_model_len; a serving step must never wait on a compile
+@triton.jit(do_not_specialize=["stride_bt_req"])
 def _paged_decode_split_kernel(
     q_ptr,  # [num_reqs, num_heads, HEAD_DIM]
     kv_ptr,  # [2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]

@@ -63,9 +63,14 @@ def _find_request(query_start_loc_ptr, base, tile_id, num_reqs, BLOCK_Q: tl.cons
     return lo - 1
 
 
-# NOTE: ints that change from step to step are not specialized (Triton compiles a variant for
-# 1 and for multiples of 16 of each int argument): a serving step must never wait on a compile
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt_req"])
+# NOTE: what changes from step to step is not specialized (Triton compiles a variant for 1 and
+# for multiples of 16 of each int argument, and for 16-byte aligned pointers): the ints, and the
+# per-request arrays, which start mid-allocation in a batch's tail (ops.py: a step's leading
+# decodes go to the decode kernel). A serving step must never wait on a compile.
+@triton.jit(
+    do_not_specialize=["num_reqs", "stride_bt_req"],
+    do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"],
+)
 def _unified_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, HEAD_DIM]
     kv_ptr,  # [2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
