@@ -43,6 +43,7 @@ from _stages import Stages, rel_err
 
 from lantau.bench.step_log import wall_step_times
 from lantau.metrics.gc_pauses import GcPauses
+from lantau.model.kernel_cache import CompileWatch
 
 section = Stages()
 section.budget_s = 480.0  # --budget-s
@@ -370,11 +371,13 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
         core.on_step = record
 
     pauses = GcPauses().install()  # the host's collections during the run (a stall each)
+    compiles = CompileWatch().install()  # Triton's during the run: a step waited on each
     try:
         stats = run_lantau(llm, w, on_start=record_steps).summary()
     finally:
         core.on_step = None
         pauses.uninstall()
+        compiles.uninstall()
     stats["num_prompts_default"] = default_n
     stats["steps"] = wall_step_times(records)
     collected = pauses.drain()
@@ -385,6 +388,7 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
         "full": sum(g == 2 for g, _ in collected),
         **heap,
     }
+    stats["compiles"] = compiles.summary()
     RESULTS[label] = stats
     print(label, json.dumps(stats), flush=True)
     trimmed = f" (of {default_n})" if w.num_prompts < default_n else ""
@@ -398,7 +402,8 @@ def run_workload(llm, spec: str, num_prompts: int | None, label: str, default_n:
             fig,
             f"target {TARGETS.get(label.split()[0], '-')}; gpu {stats['gpu_util_pct']}%, "
             f"p95 e2e {stats['e2e_p95_s']} s, at {elapsed():.0f} s; gc {stats['gc']['s']} s "
-            f"(longest {stats['gc']['max_ms']} ms); steps "
+            f"(longest {stats['gc']['max_ms']} ms); Triton compiles "
+            f"{stats['compiles']['compiles']} ({stats['compiles']['s']} s); steps "
             + ", ".join(
                 f"{kind} {k['steps']} x {k['ms']} ms (p50 {k['p50_ms']}, {k['slow']} slow "
                 f"+{k['slow_s']} s, {k['behind']} behind; {k['reqs']} reqs, {k['tokens']} tokens)"

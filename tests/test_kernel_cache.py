@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import triton.language as tl
 
 from lantau.cli import main
 from lantau.model import kernel_cache
@@ -166,3 +167,68 @@ def test_triton_hashed_on_a_thread_where_kernels_will_run(monkeypatch):
     thread.join(60)
     assert not thread.is_alive() and triton_key.cache_info().currsize == 1
     assert triton_key().startswith(triton.__version__)
+
+
+def _add_one(x_ptr, n, BLOCK: tl.constexpr):
+    """A kernel for CompileWatch's test, compiled by hand (not @triton.jit: the tests run
+    Triton's interpreter, which compiles nothing)."""
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+def test_compile_watch_times_each_triton_compile(tmp_path, monkeypatch, caplog):
+    """A real compile for sm90 on this CPU (triton ships ptxas) through Triton's own
+    JITFunction._do_compile, as JITFunction.run calls it on a cache miss, with the target
+    given instead of asked of a driver: the served core's watch (installed after its
+    warm-up) names the kernel and the seconds the step waited, then a second JITFunction
+    loads the same variant from the disk cache, timed too. Uninstalled, Triton's hooks are
+    what they were."""
+    from triton import compiler, knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+    from lantau.engine.core_process import _log_late_compiles
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    target = GPUTarget("cuda", 90, 32)
+    backend = compiler.make_backend(target)
+
+    def compile_once() -> None:
+        jit = JITFunction(_add_one)
+        binder = create_function_from_signature(jit.signature, jit.params, backend)
+        kwargs = {"BLOCK": 8, "num_warps": 4}
+        bound, spec, options = binder(torch.zeros(8), 8, **kwargs)
+        key = compute_cache_key({}, spec, options)
+        options, signature, constexprs, attrs = jit._pack_args(
+            backend, kwargs, bound, spec, options
+        )
+        jit.device_caches[0] = ({}, {}, target, backend, binder)
+        jit.compile, jit.ASTSource = compiler.compile, compiler.ASTSource
+        kernel = jit._do_compile(key, signature, 0, constexprs, options, attrs, False)
+        assert kernel.metadata.name.startswith("_add_one")
+
+    def earlier(**_) -> None:
+        pass
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", earlier)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    with caplog.at_level(logging.WARNING, logger="lantau.engine.core_process"):
+        watch = _log_late_compiles()
+        try:
+            compile_once()
+            compile_once()
+        finally:
+            watch.uninstall()
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (earlier, None)
+    (first, compiled), (second, loaded) = watch.compiles
+    assert first == second == "_add_one"
+    assert compiled > loaded > 0
+    assert watch.summary() == {
+        "compiles": 2,
+        "s": round(compiled + loaded, 3),
+        "kernels": {"_add_one": 2},
+    }
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2
+    assert warnings[0].startswith(f"a serving step waited {compiled:.3f} s for Triton to compile")
+    assert "_add_one[num_warps=4" in warnings[0]

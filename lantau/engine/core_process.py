@@ -248,16 +248,18 @@ def _busy_loop(core: EngineCore, parent: int, in_sock, out_sock, pauses: GcPause
             scheduled, received, last_sent = {}, {}, now
 
 
-def _log_late_compiles() -> None:
-    """From here on a Triton compile holds up a serving step (a warm-up gap): say which."""
+def _log_late_compiles():
+    """From here on a Triton compile holds up a serving step (a warm-up gap): say which, and
+    for how long. Returns the installed CompileWatch (None without triton)."""
     if "triton" not in sys.modules:
-        return
-    from triton import knobs
+        return None
+    from lantau.model.kernel_cache import CompileWatch
 
-    def warn(*, repr: str, **_) -> None:
-        logger.warning("Triton compiled a kernel while serving: %s", repr[:400])
+    def warn(kernel: str, seconds: float, signature: str) -> None:
+        logger.warning("a serving step waited %.3f s for Triton to compile or load %s: %s",
+                       seconds, kernel, signature[:400])  # fmt: skip
 
-    knobs.runtime.jit_post_compile_hook = warn
+    return CompileWatch(warn).install()
 
 
 def exit_with_parent(parent: int, poll_s: float = 0.2) -> None:

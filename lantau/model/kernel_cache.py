@@ -251,3 +251,51 @@ def _compile_kernels(folder: str, cache_dir: str, engine_args: dict) -> dict:
     key = machine_key(core.config.device)
     assert key is not None  # check_can_compile_kernels passed in the parent
     return save_kernels(Path(cache_dir), Path(folder), key)
+
+
+class CompileWatch:
+    """Triton's compiles from install() on, through its JIT hooks: each a launch that waited,
+    for the compile or for the variant's load from the disk cache (milliseconds). After the
+    served core's warm-up, or inside a timed run, each one is a stall to name: a variant that
+    start-up did not compile (RESULTS.md 2026-12-07: a decode kernel's variant for an eager
+    step's block tables, +1.1 s in one mixed step). `on_compile(kernel, seconds, signature)`
+    is called with each; `compiles` keeps (kernel, seconds). Needs triton (CUDA's JIT: the
+    interpreter compiles nothing)."""
+
+    def __init__(self, on_compile=None) -> None:
+        self.on_compile = on_compile
+        self.compiles: list[tuple[str, float]] = []
+        self._started: dict[str, float] = {}
+        self._before = None
+
+    def install(self) -> CompileWatch:
+        from triton import knobs
+
+        rt = knobs.runtime
+        self._before = (rt.jit_cache_hook, rt.jit_post_compile_hook)
+        rt.jit_cache_hook, rt.jit_post_compile_hook = self._start, self._end
+        return self
+
+    def uninstall(self) -> None:
+        from triton import knobs
+
+        if self._before is not None:
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before
+            self._before = None
+
+    def _start(self, *, key, **_) -> None:  # a true return would skip the compile
+        self._started[str(key)] = time.perf_counter()
+
+    def _end(self, *, key, repr, fn, **_) -> None:
+        seconds = time.perf_counter() - self._started.pop(str(key), time.perf_counter())
+        self.compiles.append((fn.name, seconds))
+        if self.on_compile is not None:
+            self.on_compile(fn.name, seconds, repr)
+
+    def summary(self) -> dict:
+        """{"compiles": n, "s": seconds in all, "kernels": {name: n}}."""
+        kernels: dict[str, int] = {}
+        for name, _ in self.compiles:
+            kernels[name] = kernels.get(name, 0) + 1
+        total = round(sum(s for _, s in self.compiles), 3)
+        return {"compiles": len(self.compiles), "s": total, "kernels": kernels}
