@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
 import sys
 
 import pytest
 import torch
-import triton.language as tl
 
 from lantau.cli import main
 from lantau.model import kernel_cache
@@ -169,66 +170,84 @@ def test_triton_hashed_on_a_thread_where_kernels_will_run(monkeypatch):
     assert triton_key().startswith(triton.__version__)
 
 
+COMPILE_TWICE = """
+import json, logging, sys, time
+import torch
+import triton.language as tl
+from triton import compiler, knobs
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+from lantau.engine.core_process import _log_late_compiles
+
+
 def _add_one(x_ptr, n, BLOCK: tl.constexpr):
-    """A kernel for CompileWatch's test, compiled by hand (not @triton.jit: the tests run
-    Triton's interpreter, which compiles nothing)."""
     offs = tl.arange(0, BLOCK)
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
 
 
-def test_compile_watch_times_each_triton_compile(tmp_path, monkeypatch, caplog):
+target = GPUTarget("cuda", 90, 32)
+backend = compiler.make_backend(target)
+
+
+def compile_once():
+    jit = JITFunction(_add_one)
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    kwargs = {"BLOCK": 8, "num_warps": 4}
+    bound, spec, options = binder(torch.zeros(8), 8, **kwargs)
+    key = compute_cache_key({}, spec, options)
+    options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, spec, options)
+    jit.device_caches[0] = ({}, {}, target, backend, binder)
+    jit.compile, jit.ASTSource = compiler.compile, compiler.ASTSource
+    return jit._do_compile(key, signature, 0, constexprs, options, attrs, False).metadata.name
+
+
+def earlier(**_):
+    pass
+
+
+logs = []
+handler = logging.Handler()
+handler.emit = lambda record: logs.append(record.getMessage())
+logging.getLogger("lantau.engine.core_process").addHandler(handler)
+knobs.runtime.jit_cache_hook = earlier
+watch = _log_late_compiles()
+names = [compile_once(), compile_once()]
+watch.uninstall()
+restored = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (earlier, None)
+print(json.dumps({"names": names, "compiles": watch.compiles, "summary": watch.summary(),
+                  "logs": logs, "restored": restored}))
+"""
+
+
+def test_compile_watch_times_each_triton_compile(tmp_path):
     """A real compile for sm90 on this CPU (triton ships ptxas) through Triton's own
     JITFunction._do_compile, as JITFunction.run calls it on a cache miss, with the target
     given instead of asked of a driver: the served core's watch (installed after its
     warm-up) names the kernel and the seconds the step waited, then a second JITFunction
     loads the same variant from the disk cache, timed too. Uninstalled, Triton's hooks are
-    what they were."""
-    from triton import compiler, knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
-
-    from lantau.engine.core_process import _log_late_compiles
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    target = GPUTarget("cuda", 90, 32)
-    backend = compiler.make_backend(target)
-
-    def compile_once() -> None:
-        jit = JITFunction(_add_one)
-        binder = create_function_from_signature(jit.signature, jit.params, backend)
-        kwargs = {"BLOCK": 8, "num_warps": 4}
-        bound, spec, options = binder(torch.zeros(8), 8, **kwargs)
-        key = compute_cache_key({}, spec, options)
-        options, signature, constexprs, attrs = jit._pack_args(
-            backend, kwargs, bound, spec, options
-        )
-        jit.device_caches[0] = ({}, {}, target, backend, binder)
-        jit.compile, jit.ASTSource = compiler.compile, compiler.ASTSource
-        kernel = jit._do_compile(key, signature, 0, constexprs, options, attrs, False)
-        assert kernel.metadata.name.startswith("_add_one")
-
-    def earlier(**_) -> None:
-        pass
-
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", earlier)
-    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    with caplog.at_level(logging.WARNING, logger="lantau.engine.core_process"):
-        watch = _log_late_compiles()
-        try:
-            compile_once()
-            compile_once()
-        finally:
-            watch.uninstall()
-    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (earlier, None)
-    (first, compiled), (second, loaded) = watch.compiles
+    what they were. In a child without TRITON_INTERPRET: the interpreter leaves
+    triton.language patched in a process where it ran a kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    script = tmp_path / "compile_twice.py"  # Triton reads a kernel's source from its file
+    script.write_text(COMPILE_TWICE)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert all(name.startswith("_add_one") for name in got["names"])
+    (first, compiled), (second, loaded) = got["compiles"]
     assert first == second == "_add_one"
     assert compiled > loaded > 0
-    assert watch.summary() == {
+    assert got["summary"] == {
         "compiles": 2,
         "s": round(compiled + loaded, 3),
         "kernels": {"_add_one": 2},
     }
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 2
-    assert warnings[0].startswith(f"a serving step waited {compiled:.3f} s for Triton to compile")
-    assert "_add_one[num_warps=4" in warnings[0]
+    assert got["restored"]
+    assert len(got["logs"]) == 2
+    waited = f"a serving step waited {compiled:.3f} s for Triton to compile or load _add_one"
+    assert got["logs"][0].startswith(waited)
+    assert "_add_one[num_warps=4" in got["logs"][0]
