@@ -9,6 +9,7 @@ from lantau.config import EngineConfig
 from lantau.engine.args import build_engine_config
 from lantau.engine.core import EngineCore
 from lantau.engine.llm_engine import LLMEngine
+from lantau.engine.warmup import compiles_kernels, warm_up
 from lantau.errors import InvalidRequestError
 from lantau.model.generation_config import model_sampling_defaults, source_folder
 from lantau.model.source import borrowed_vocab_size, load_tokenizer
@@ -31,7 +32,10 @@ class LLM:
         self.sampling_defaults = model_sampling_defaults(source_folder(source), generation_config)
         self.tokenizer = load_tokenizer(source)
         fold = borrowed_vocab_size(source, config.model_config, self.tokenizer)
-        self.engine = LLMEngine(EngineCore(config, source), self.tokenizer, fold)
+        core = EngineCore(config, source)
+        if compiles_kernels(core):  # as the server does: no step of a run waits on a compile
+            core.startup_s["warm_up"] = warm_up(core)
+        self.engine = LLMEngine(core, self.tokenizer, fold)
         self._ids = itertools.count()
 
     @property

@@ -410,6 +410,28 @@ def test_warm_up_leaves_nothing_behind(tiny_llama_dir, reference):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
+def test_offline_engine_warms_up_where_kernels_compile(tiny_llama_dir, reference, monkeypatch):
+    """LLM warms up as the served core does where its steps would compile kernels (CUDA),
+    before it returns: its start-up stages say so, nothing of it stays, and generate gives
+    the reference tokens. On CPU (nothing compiles) it does not."""
+    import lantau.llm
+    from lantau.engine.warmup import compiles_kernels
+
+    kwargs = dict(device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=512,
+                  max_num_batched_tokens=64)  # fmt: skip
+    plain = LLM(str(tiny_llama_dir), **kwargs)
+    assert not compiles_kernels(plain.engine.core) and "warm_up" not in plain.engine.core.startup_s
+    monkeypatch.setattr(lantau.llm, "compiles_kernels", lambda core: True)
+    llm = LLM(str(tiny_llama_dir), **kwargs)
+    assert llm.engine.core.startup_s["warm_up"] > 0
+    check_clean(llm)
+    assert llm.engine.core.num_generated_tokens == 0
+    assert not llm.engine.core.kv_cache.pool.hash_to_block_id
+    prompts, params, expected = reference
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
 def test_steps_of_prefill_chunks_only_compute_no_logits(tiny_llama_dir, monkeypatch):
     """A step whose every request is mid-prompt (a long prompt chunked) needs no logits: the
     lm_head must not run on zero rows (the GEMV path of CUDA steps refused them, crashing the

@@ -174,9 +174,9 @@ def run_engine_core(
         # warm-up runs beside the load (its results are thrown away), the first request after
         core = EngineCore(config, source, paced=True, defer_weights=on_cuda)
         core.startup_s = {**early, **seeded, **core.startup_s}
-        if on_cuda:  # no kernel compiles while a user waits
-            from lantau.engine.warmup import warm_up
+        from lantau.engine.warmup import compiles_kernels, warm_up
 
+        if compiles_kernels(core):  # no kernel compiles while a user waits
             core.startup_s["warm_up"] = warm_up(core)
         core.wait_weights()
         import_ahead.record()

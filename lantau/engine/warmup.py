@@ -8,6 +8,9 @@ integer argument that is 1 or a multiple of 16) is compiled before the first use
             every small size, then decode-only batches of every size as they finish
     wave 3  the sampler's other paths: temperature, top-k/p, min-p, penalties, seeds, logprobs
 
+The served core runs it before it is ready, an offline LLM before it returns (a fresh machine's
+first W3-fp8-2048 run otherwise waited 1.1 s in one step on a compile; RESULTS.md 2026-12-07).
+
 With LoRA adapters served, every other warm-up request runs through the first one:
 the adapter kernels' variants of eager steps (no CUDA graph captured them) compile here too.
 
@@ -41,6 +44,13 @@ SAMPLED = (
     SamplingParams(temperature=0.0, logprobs=5, prompt_logprobs=5, ignore_eos=True),
     SamplingParams(temperature=0.0, logit_bias={0: -100.0, 1: 5.0}, min_tokens=2),
 )
+
+
+def compiles_kernels(core: EngineCore) -> bool:
+    """Whether the engine's first steps of a shape would wait on Triton compiling a kernel
+    variant: on CUDA (on CPU the kernels run interpreted or as torch ops). The served core and
+    an offline LLM then warm up before their first request."""
+    return core.device.type == "cuda"
 
 
 def warm_up(core: EngineCore, seed: int = 0) -> float:
