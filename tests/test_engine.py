@@ -430,6 +430,10 @@ def test_offline_engine_warms_up_where_kernels_compile(tiny_llama_dir, reference
     prompts, params, expected = reference
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+    # a short max_model_len: the warm-up's prompts fit it (the sampler's wave too)
+    short = LLM(str(tiny_llama_dir), **{**kwargs, "max_model_len": 16})
+    assert short.engine.core.startup_s["warm_up"] > 0
+    check_clean(short)
 
 
 def test_steps_of_prefill_chunks_only_compute_no_logits(tiny_llama_dir, monkeypatch):

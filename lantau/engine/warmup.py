@@ -79,7 +79,7 @@ def warm_up(core: EngineCore, seed: int = 0) -> float:
     _run(core)
     for i, params in enumerate(SAMPLED):  # wave 3
         params = dataclasses.replace(params, max_tokens=4, detokenize=False)
-        core.add_request(request(i, 16 + i, params))
+        core.add_request(request(i, max(min(16 + i, longest), 1), params))
     _run(core)
     core.reset_prefix_cache()
     core.num_generated_tokens = 0
