@@ -159,6 +159,7 @@ def run_engine_core(
 
         from lantau.engine.args import resolve_device
         from lantau.engine.core import EngineCore
+        from lantau.engine.warmup import compiles_kernels, warm_up
         from lantau.model.kernel_cache import prehash_triton, seed_engine_kernels
 
         imported = time.monotonic()
@@ -174,16 +175,15 @@ def run_engine_core(
         # warm-up runs beside the load (its results are thrown away), the first request after
         core = EngineCore(config, source, paced=True, defer_weights=on_cuda)
         core.startup_s = {**early, **seeded, **core.startup_s}
-        from lantau.engine.warmup import compiles_kernels, warm_up
-
-        if compiles_kernels(core):  # no kernel compiles while a user waits
+        warmed = compiles_kernels(core)
+        if warmed:  # no kernel compiles while a user waits
             core.startup_s["warm_up"] = warm_up(core)
         core.wait_weights()
         import_ahead.record()
     except Exception as e:  # report why, then exit: the frontend fails its start with it
         out_sock.send(encoder.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}")))
         return
-    if on_cuda:
+    if warmed:  # from here on a compile is a gap in the warm-up
         _log_late_compiles()
     # every collection timed for /metrics, the first one the full collection of start-up's
     # objects before they are frozen out of every later walk (gc_pauses.py: one of them

@@ -23,6 +23,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -294,8 +295,6 @@ class CompileWatch:
 
     def summary(self) -> dict:
         """{"compiles": n, "s": seconds in all, "kernels": {name: n}}."""
-        kernels: dict[str, int] = {}
-        for name, _ in self.compiles:
-            kernels[name] = kernels.get(name, 0) + 1
         total = round(sum(s for _, s in self.compiles), 3)
+        kernels = dict(Counter(name for name, _ in self.compiles))
         return {"compiles": len(self.compiles), "s": total, "kernels": kernels}
