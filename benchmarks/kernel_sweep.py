@@ -45,7 +45,15 @@ PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the
     (16, 64, 4, 2), (16, 128, 4, 2), (32, 64, 4, 2), (32, 128, 4, 2), (16, 64, 2, 2),
     (16, 128, 2, 2), (16, 256, 4, 2), (32, 128, 8, 2), (256, 64, 8, 2), (128, 32, 4, 2),
 ]  # fmt: skip
+# fresh_attention's (BLOCK_M, BLOCK_N, num_warps, num_stages, HEADS); the first is its default
+FRESH_TILES = [
+    (128, 64, 8, 2, 1), (128, 64, 4, 2, 1), (128, 64, 8, 3, 1), (128, 128, 8, 2, 1),
+    (128, 128, 8, 3, 1), (64, 64, 4, 2, 1), (64, 128, 4, 2, 1), (128, 32, 4, 3, 1),
+    (128, 64, 8, 2, 4), (128, 64, 4, 2, 4), (128, 128, 8, 2, 4), (256, 64, 8, 2, 4),
+    (128, 64, 8, 2, 2), (256, 64, 8, 2, 1),
+]  # fmt: skip
 PREFILL_SHAPES = {  # name -> [(context before, new tokens)] per request
+    "W3-2048 prefill step 32x2048": [(0, 2048)] * 32,
     "W3-2048 prefill 4x2048": [(0, 2048)] * 4,
     "W3-1000 prefill 8x1000": [(0, 1000)] * 8,
     "W3-128 prefill 64x128": [(0, 128)] * 64,
@@ -206,9 +214,47 @@ def sdpa_ceiling_ms(q: torch.Tensor, requests: list[tuple[int, int]]) -> float |
         )  # fmt: skip
 
 
+def fresh_qkv(q: torch.Tensor, kv: torch.Tensor, blocks: torch.Tensor, requests):
+    """The step's q, k, v as views of one fused qkv buffer [num_tokens, (HEADS + 2 *
+    KV_HEADS) * DIM], k and v each whole prompt's keys and values read from the (bf16) cache:
+    what fresh_attention reads in the engine."""
+    pos = torch.cat([torch.arange(n) for _, n in requests]).cuda()
+    req = torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(requests)]).cuda()
+    slot_block = blocks.long()[req, pos // BLOCK]
+    qkv = torch.empty(q.shape[0], (HEADS + 2 * KV_HEADS) * DIM, dtype=q.dtype, device="cuda")
+    qv, kv_k, kv_v = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=1)
+    qv = qv.view(-1, HEADS, DIM)
+    qv.copy_(q)
+    kv_k.view(-1, KV_HEADS, DIM).copy_(kv[0][slot_block, pos % BLOCK])
+    kv_v.view(-1, KV_HEADS, DIM).copy_(kv[1][slot_block, pos % BLOCK])
+    return qv, kv_k.view(-1, KV_HEADS, DIM), kv_v.view(-1, KV_HEADS, DIM)
+
+
+def sdpa_cudnn_ms(q: torch.Tensor, requests: list[tuple[int, int]]) -> float | None:
+    """sdpa_ceiling_ms through cuDNN's attention (Hopper's TMA / warpgroup kernels)."""
+    import torch.nn.functional as F
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if any(c for c, _ in requests) or len({n for _, n in requests}) != 1:
+        return None
+    b, n = len(requests), requests[0][1]
+    qd = q.view(b, n, HEADS, DIM).transpose(1, 2)
+    k = torch.randn(b, KV_HEADS, n, DIM, device="cuda", dtype=q.dtype)
+    g = HEADS // KV_HEADS
+    k = k[:, :, None].expand(b, KV_HEADS, g, n, DIM).reshape(b, HEADS, n, DIM)
+    v = torch.randn_like(k)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return triton.testing.do_bench(
+            lambda: F.scaled_dot_product_attention(qd, k, v, is_causal=True),
+            warmup=25, rep=100, return_mode="median",
+        )  # fmt: skip
+
+
 def sweep_prefill_attn(only: str = "", kv_dtype: str = "bf16") -> tuple[dict, list[str]]:
     import triton.testing
 
+    from lantau.kernels import fresh_attention as fa
     from lantau.kernels import unified_attention as ua
     from lantau.kernels.attention_tiles import FP8_KV_DTYPE
     from lantau.kernels.reference import unified_attention_ref
@@ -221,6 +267,10 @@ def sweep_prefill_attn(only: str = "", kv_dtype: str = "bf16") -> tuple[dict, li
         if only not in name:
             continue
         q, kv, qsl, seq, blocks = paged_batch(requests)
+        fresh = not any(c for c, _ in requests)
+        if fresh:  # whole prompts: fresh_attention over the step's own bf16 k, v
+            fresh_ref = unified_attention_ref(q, kv, qsl, seq, blocks, DIM**-0.5)
+            fq, fk, fv = fresh_qkv(q, kv, blocks, requests)
         if kv_dtype == "fp8":
             kv = kv.to(FP8_KV_DTYPE)  # unit scales: randn values lie well inside e4m3's range
         max_q, max_s = max(n for _, n in requests), max(c + n for c, n in requests)
@@ -246,7 +296,29 @@ def sweep_prefill_attn(only: str = "", kv_dtype: str = "bf16") -> tuple[dict, li
                 row[f"{tile} us"] = ms * 1e3
             except Exception as e:  # a tiling that does not build (shared memory): skipped
                 print(name, tile, type(e).__name__, str(e)[:80], flush=True)
-        best = max((k for k in row if not k.endswith("us")), key=row.get)
+        fresh_row = {}
+        for tile in FRESH_TILES if fresh else ():
+
+            def run(tile=tile, args=(fq, fk, fv, out, qsl, seq)):
+                fa.fresh_attention(*args, DIM**-0.5, tile=tile)
+
+            try:
+                run()
+                if rel_err(out, fresh_ref) > 1e-2:
+                    print(name, "fresh", tile, "wrong", rel_err(out, fresh_ref), flush=True)
+                    continue
+                ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+                fresh_row[f"fresh {tile}"] = flop / ms / 1e9
+                fresh_row[f"fresh {tile} us"] = ms * 1e3
+            except Exception as e:
+                print(name, "fresh", tile, type(e).__name__, str(e)[:80], flush=True)
+        if fresh:
+            try:
+                cudnn_ms = sdpa_cudnn_ms(q, requests)
+                row["sdpa cudnn"], row["sdpa cudnn us"] = flop / cudnn_ms / 1e9, cudnn_ms * 1e3
+            except Exception as e:
+                print(name, "cudnn", type(e).__name__, str(e)[:80], flush=True)
+        best = max((k for k in row if not k.endswith("us") and k[0] == "("), key=row.get)
         base = str(PREFILL_TILES[0])
         ceiling = "-"
         num_decodes = next((i for i, (_, n) in enumerate(requests) if n != 1), len(requests))
@@ -266,6 +338,15 @@ def sweep_prefill_attn(only: str = "", kv_dtype: str = "bf16") -> tuple[dict, li
         if sdpa_ms:
             row["sdpa flash"], row["sdpa flash us"] = flop / sdpa_ms / 1e9, sdpa_ms * 1e3
             ceiling = f"{row['sdpa flash']:.1f} TFLOP/s"
+        if fresh_row:
+            fbest = max((k for k in fresh_row if not k.endswith("us")), key=fresh_row.get)
+            fbase = f"fresh {FRESH_TILES[0]}"
+            ceiling += (
+                f"; fresh default {fresh_row.get(fbase, float('nan')):.1f}, best {fbest} "
+                f"{fresh_row[fbest]:.1f} TFLOP/s ({fresh_row[fbest + ' us']:.1f} us); cudnn "
+                f"{row.get('sdpa cudnn', float('nan')):.1f}"
+            )
+            row.update(fresh_row)
         results[name] = row
         table.append(
             f"| prefill {kv_dtype} {name} | default {row.get(base, float('nan')):.1f} TFLOP/s, "

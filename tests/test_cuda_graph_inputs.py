@@ -193,10 +193,10 @@ def test_mixed_graph_forward_from_staged_inputs_matches_eager(tiny_llama_dir):
     ops, decodes_apart = runner.model.ops, []
     attention = ops.attention
 
-    def recording_attention(q, kv_cache, meta, scale):
+    def recording_attention(q, kv_cache, meta, scale, **kw):
         if not meta.is_decode_only:
             decodes_apart.append(meta.num_decodes)
-        return attention(q, kv_cache, meta, scale)
+        return attention(q, kv_cache, meta, scale, **kw)
 
     ops.attention = recording_attention
     rng = random.Random(11)

@@ -284,13 +284,13 @@ _SM90_KERNELS = {
              slot_mapping_ptr="*i64", k_inv_scale="fp32", v_inv_scale="fp32",
              row_scale_ptr="*fp32", q_col_ptr="*fp32", k_col_ptr="*fp32", v_col_ptr="*fp32"),
         dict(HALF_DIM=64, BLOCK_HALF=64, BLOCK_Q_HEADS=32, BLOCK_K_HEADS=8, USE_PDL=True,
-             SCALED=False),
+             SCALED=False, STORE_KV=True),  # a prefill's: k rotated in place for fresh_attention
     ),
     "unified_attention._unified_attention_kernel": (
         dict(q_ptr="*bf16", kv_ptr="*fp8e4nv", out_ptr="*bf16", query_start_loc_ptr="*i32",
              seq_lens_ptr="*i32", block_tables_ptr="*i32", scale_log2="fp32", v_scale="fp32"),
         dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=128, BLOCK_Q=32, BLOCK_N=64,
-             DOT_PRECISION="tf32"),  # the prefill tile over an fp8 cache
+             DOT_PRECISION="tf32", SKIP_FRESH=True),  # the prefill tile over an fp8 cache
     ),
     "decode_attention._paged_decode_split_kernel": (
         dict(q_ptr="*bf16", kv_ptr="*fp8e4nv", out_ptr="*bf16", part_out_ptr="*fp32",

@@ -245,6 +245,78 @@ def test_triton_ops_attend_leading_decodes_apart(dtype):
     torch.testing.assert_close(apart[r:], together[r:], rtol=0, atol=0)
 
 
+# decodes first, then fresh prompts (no keys before the step: 37, 70, 1, 5 tokens) beside a
+# chunk after a cached prefix (9 after 40)
+WITH_FRESH = [(17, 1), (70, 1), (37, 37), (49, 9), (70, 70), (1, 1), (5, 5)]
+# ((num_heads, num_kv_heads, head_dim), tile): plain multi-head, GQA 4 with 1, 2 or 4 heads a
+# tile; the default tile, and small ones that cross their edges
+FRESH_CASES = [
+    ((4, 4, 32), None), ((4, 4, 32), (32, 16, 4, 1, 1)), ((4, 4, 32), (16, 32, 4, 1, 1)),
+    ((8, 2, 64), None), ((8, 2, 64), (32, 16, 4, 1, 1)), ((8, 2, 64), (32, 16, 4, 1, 2)),
+    ((8, 2, 64), (32, 16, 4, 1, 4)),
+]  # fmt: skip
+
+
+def step_kv(b: dict, requests: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's own k and v rows [num_tokens, num_kv_heads, head_dim], read from the cache
+    make_batch filled (each request's last num_q positions)."""
+    kv, block_size = b["kv_cache"], b["kv_cache"].shape[2]
+    ks, vs = [], []
+    for i, (seq_len, num_q) in enumerate(requests):
+        pos = torch.arange(seq_len - num_q, seq_len)
+        blocks = b["block_tables"][i].long()[pos // block_size]
+        ks.append(kv[0][blocks, pos % block_size])
+        vs.append(kv[1][blocks, pos % block_size])
+    return torch.cat(ks), torch.cat(vs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "tile"), FRESH_CASES)
+def test_fresh_attention_and_unified_skip_split_a_batch(dtype, heads, tile):
+    """fresh_attention writes exactly the fresh prompts' rows (seq_len == query rows), over the
+    step's own k and v, and unified_attention(skip_fresh=True) exactly the others: together
+    the reference's output. Tiles small enough to cross their edges, HEADS of a GQA group
+    packed in a tile (1, 2, 4 of 4); the whole batch and a tail of it (after the decodes)."""
+    from lantau.kernels.fresh_attention import fresh_attention
+
+    b = make_batch(WITH_FRESH, *heads, dtype, seed=7)
+    k, v = step_kv(b, WITH_FRESH)
+    ref, qsl = engine_ref(b), b["query_start_loc"]
+    fresh_rows = torch.zeros(b["q"].shape[0], dtype=torch.bool)
+    for i, (seq_len, num_q) in enumerate(WITH_FRESH):
+        fresh_rows[qsl[i] : qsl[i + 1]] = seq_len == num_q
+    for first in (0, 2):  # the batch, and its tail after the two decodes
+        r = int(qsl[first])
+        q, seq_lens, tail_qsl = b["q"][r:], b["seq_lens"][first:], qsl[first:]
+        out = torch.full_like(q, float("nan"))
+        fresh_attention(q, k[r:], v[r:], out, tail_qsl, seq_lens, b["scale"], tile=tile)
+        mine = fresh_rows[r:]
+        assert out[~mine].isnan().all(), "fresh_attention wrote a row with keys before the step"
+        assert_matches(out[mine], ref[r:][mine], dtype)
+        out = torch.full_like(q, float("nan"))
+        ua.unified_attention(
+            q, b["kv_cache"], out, tail_qsl, seq_lens, b["block_tables"][first:],
+            b["max_query_len"], b["max_seq_len"], b["scale"], skip_fresh=True,
+        )  # fmt: skip
+        assert out[mine].isnan().all(), "unified_attention wrote a fresh prompt's row"
+        assert_matches(out[~mine], ref[r:][~mine], dtype)
+
+
+def test_fresh_attention_rejects_bad_inputs():
+    from lantau.kernels.fresh_attention import fresh_attention
+
+    b = make_batch(WITH_FRESH, 8, 2, 32, torch.float32)
+    k, v = step_kv(b, WITH_FRESH)
+    out = torch.empty_like(b["q"])
+    args = (b["query_start_loc"], b["seq_lens"], b["scale"])
+    with pytest.raises(AssertionError, match="against q"):
+        fresh_attention(b["q"], k[1:], v[1:], out, *args)
+    with pytest.raises(AssertionError, match="dtypes differ"):
+        fresh_attention(b["q"], k.half(), v.half(), out, *args)
+    with pytest.raises(AssertionError, match="heads a tile"):
+        fresh_attention(b["q"], k, v, out, *args, tile=(32, 16, 4, 1, 3))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEAD_CONFIGS)
 def test_paged_decode_attention_splits_agree(dtype, num_heads, num_kv_heads, head_dim):

@@ -145,7 +145,8 @@ def test_apply_rotary_and_write_kv(
 ) -> None:
     """q rotated in place as rotary_ref rotates it, and the cache as write_kv_cache_ref leaves
     it with the rotated keys; padding rows (slot -1) and foreign slots untouched, k and v not
-    modified. Head counts are not powers of 2, so the head masks matter."""
+    modified, unless store_kv: then k rotated in place. Head counts are not powers of 2, so the
+    head masks matter."""
     torch.manual_seed(4)
     num_tokens, num_heads, num_kv_heads, num_blocks, block_size = 7, 6, 3, 4, 4
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -172,6 +173,16 @@ def test_apply_rotary_and_write_kv(
     assert_close(cache, cache_ref, equal_nan=True)  # NaN exactly where no real row wrote
     assert torch.equal(k, k_before) and torch.equal(v, v_before)
     assert_pad_untouched(qkv)
+    # store_kv (a step with prompt rows, for fresh_attention): k rotated in place, padding
+    # rows too; v, a scaled product already, unchanged; the cache as before
+    cache = poisoned.clone()
+    q_twice = q.clone()
+    apply_rotary_and_write_kv(q_twice, k, v, positions, cos_sin_cache, cache, slot_mapping,
+                              store_kv=True)  # fmt: skip
+    assert_close(k, k_ref)
+    assert torch.equal(v, v_before)
+    assert_close(cache, cache_ref, equal_nan=True)
+    assert_pad_untouched(qkv)
 
 
 @pytest.mark.usefixtures("interpreter_fp8_cast")
@@ -179,7 +190,8 @@ def test_apply_rotary_and_write_kv(
 def test_rotary_scales_an_unscaled_product_first(kv_dtype) -> None:
     """row_scale / col_scale: q, k and v as an unscaled fp8 product (a tensor-wise GEMM's)
     give what the scaled product would: q rotated in place, the rotated keys and the values in
-    the cache (an fp8 cache's quantized from the scaled values). bf16, head 128 (llama's)."""
+    the cache (an fp8 cache's quantized from the scaled values), and with store_kv k and v in
+    place, rotated and scaled. bf16, head 128 (llama's)."""
     torch.manual_seed(6)
     dtype, head_dim, num_tokens, num_heads, num_kv_heads = torch.bfloat16, 128, 5, 4, 2
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -193,7 +205,7 @@ def test_rotary_scales_an_unscaled_product_first(kv_dtype) -> None:
     cos_sin = build_cos_sin_cache(rope_inv_freq(head_dim, 500000.0, None), 128)
     cache_dtype = dtype if kv_dtype == "model" else kv_dtype
     caches = [torch.zeros(2, 4, 4, num_kv_heads, head_dim, dtype=cache_dtype) for _ in range(2)]
-    qs = []
+    qs, ks, vs = [], [], []
     for qkv, cache, scales in ((scaled, caches[0], {}), (raw, caches[1], None)):
         qkv = qkv.clone()
         q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
@@ -201,8 +213,16 @@ def test_rotary_scales_an_unscaled_product_first(kv_dtype) -> None:
         v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
         if scales is None:
             scales = dict(row_scale=row_scale, col_scale=col_scale)
-        apply_rotary_and_write_kv(q, k, v, positions, cos_sin, cache, slots, **scales)
+        apply_rotary_and_write_kv(
+            q, k, v, positions, cos_sin, cache, slots, store_kv=True, **scales
+        )
         qs.append(q)
+        ks.append(k)
+        vs.append(v)
+    # store_kv: k rotated and v scaled in place, as the scaled product's
+    torch.testing.assert_close(ks[1], ks[0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(vs[1], vs[0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(vs[0], scaled[:, q_size + kv_size :].view_as(vs[0]))
     # the scaled product was rounded to bf16 before its rotation, the raw one only after: a
     # bf16 step apart (values of about 1), an fp8 cache's values an e4m3 step (1/8 at most)
     torch.testing.assert_close(qs[1], qs[0], rtol=2e-2, atol=2e-2)

@@ -146,11 +146,15 @@ def paged_attention_ref(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole cached context, the batch
     flat ("varlen"): request i owns query rows query_start_loc[i]:query_start_loc[i + 1], at
     positions seq_lens[i] - num_q[i] .. seq_lens[i] - 1 of its sequence. An fp8 cache is
     dequantized (k_scale, v_scale) to the query's dtype as it is gathered.
+    fresh: the step's (k, v) [num_tokens, num_kv_heads, head_dim]; a request with no keys
+    before the step (seq_len == num_q) attends over its rows of them instead of the cache's
+    (fresh_attention's semantics).
 
     Pads the batch to [num_reqs, max_query_len] queries and [num_reqs, max_seq_len] keys so one
     SDPA call serves prefill, chunked prefill and decode rows alike, with no host sync.
@@ -167,8 +171,15 @@ def paged_attention_ref(
     values = dequantize_kv_ref(kv[1], v_scale, query.dtype)
     key_len = max_blocks * block_size
 
-    starts = query_start_loc[:-1].long()
+    starts = (query_start_loc[:-1] - query_start_loc[0]).long()
     num_q = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    if fresh is not None:
+        k_pos = torch.arange(key_len, device=query.device)
+        rows = (starts[:, None] + k_pos[None, :]).clamp(max=num_tokens - 1)  # [num_reqs, keys]
+        own = (seq_lens.long() == num_q)[:, None] & (k_pos[None, :] < num_q[:, None])
+        own = own[..., None, None]  # [num_reqs, keys, 1, 1]
+        keys = torch.where(own, fresh[0][rows].to(keys.dtype), keys)
+        values = torch.where(own, fresh[1][rows].to(values.dtype), values)
     q_idx = torch.arange(max_query_len, device=query.device)
     rows = (starts[:, None] + q_idx[None, :]).clamp(max=num_tokens - 1)  # [num_reqs, max_q]
     q = query[rows]  # [num_reqs, max_q, num_heads, head_dim]

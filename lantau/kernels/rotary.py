@@ -129,6 +129,7 @@ def _rotary_write_kv_kernel(
     BLOCK_K_HEADS: tl.constexpr,
     USE_PDL: tl.constexpr,
     SCALED: tl.constexpr,
+    STORE_KV: tl.constexpr,  # rotated k (and scaled v) also stored back in place
 ):
     # the token's position, its cos / sin row and its slot before the PDL wait: step inputs no
     # kernel of the step writes, and a constant (pdl.py's contract)
@@ -145,13 +146,15 @@ def _rotary_write_kv_kernel(
     # slot < 0 marks a padding row (CUDA-graph batches): the masks turn the stores off
     heads = tl.arange(0, BLOCK_K_HEADS)
     dims = tl.arange(0, BLOCK_HALF)
-    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HALF_DIM) & (slot >= 0)
+    in_heads = (heads[:, None] < num_kv_heads) & (dims[None, :] < HALF_DIM)
+    mask = in_heads & (slot >= 0)
     src = heads[:, None] * k_head_stride + dims[None, :]
     cols = heads[:, None] * (2 * HALF_DIM) + dims[None, :]
-    out1, out2 = _rotated(
-        k_ptr + token * k_row_stride, src, mask, cos, sin, HALF_DIM, scale, k_col_ptr, cols,
-        SCALED,
-    )  # fmt: skip
+    k_row = k_ptr + token * k_row_stride
+    out1, out2 = _rotated(k_row, src, in_heads, cos, sin, HALF_DIM, scale, k_col_ptr, cols, SCALED)
+    if STORE_KV:
+        tl.store(k_row + src, out1.to(k_ptr.dtype.element_ty), mask=in_heads)
+        tl.store(k_row + src + HALF_DIM, out2.to(k_ptr.dtype.element_ty), mask=in_heads)
     dst = slot * (num_kv_heads * 2 * HALF_DIM) + heads[:, None] * (2 * HALF_DIM) + dims[None, :]
     # each as the cache stores it: rounded, or quantized into an fp8 cache
     out1 = quantize_kv(out1, k_inv_scale, key_cache_ptr)
@@ -159,9 +162,11 @@ def _rotary_write_kv_kernel(
     out2 = quantize_kv(out2, k_inv_scale, key_cache_ptr)
     tl.store(key_cache_ptr + dst + HALF_DIM, out2, mask=mask)
     vsrc = heads[:, None] * v_head_stride + dims[None, :]
-    v1, v2 = _halves(
-        v_ptr + token * v_row_stride, vsrc, mask, scale, v_col_ptr, cols, HALF_DIM, SCALED
-    )
+    v_row = v_ptr + token * v_row_stride
+    v1, v2 = _halves(v_row, vsrc, in_heads, scale, v_col_ptr, cols, HALF_DIM, SCALED)
+    if STORE_KV and SCALED:
+        tl.store(v_row + vsrc, v1.to(v_ptr.dtype.element_ty), mask=in_heads)
+        tl.store(v_row + vsrc + HALF_DIM, v2.to(v_ptr.dtype.element_ty), mask=in_heads)
     v1 = quantize_kv(v1, v_inv_scale, value_cache_ptr)
     tl.store(value_cache_ptr + dst, v1, mask=mask)
     v2 = quantize_kv(v2, v_inv_scale, value_cache_ptr)
@@ -181,9 +186,12 @@ def apply_rotary_and_write_kv(
     v_scale: float = 1.0,
     row_scale: torch.Tensor | None = None,
     col_scale: torch.Tensor | None = None,
+    store_kv: bool = False,
 ) -> None:
     """Rotate q in place by the angles of each token's position; store rotated k and v into
-    cache slot slot_mapping[t] (slot < 0: skipped). k itself is left as it was.
+    cache slot slot_mapping[t] (slot < 0: skipped). k itself is left as it was, unless
+    store_kv: then k is rotated in place too and v scaled in place (where an unscaled
+    product's), every row, for fresh_attention to read.
     row_scale [num_tokens] and col_scale [(num_heads + 2 * num_kv_heads) * head_dim] (fp32,
     together): q, k and v are views of an unscaled fp8 product (a tensor-wise GEMM's, in q,
     k, v column order), each value multiplied by its row's and its column's scale first (q
@@ -232,5 +240,5 @@ def apply_rotary_and_write_kv(
         q, k, v, positions, cos_sin_cache, kv_cache[0], kv_cache[1], slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         num_heads, k.shape[1], 1.0 / k_scale, 1.0 / v_scale, row_scale, col_q, col_k, col_v,
-        SCALED=scaled, **_launch_options(q, k, use_pdl),
+        SCALED=scaled, STORE_KV=store_kv, **_launch_options(q, k, use_pdl),
     )  # fmt: skip

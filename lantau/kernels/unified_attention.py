@@ -97,6 +97,7 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,  # keys per iteration
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not TF32
+    SKIP_FRESH: tl.constexpr,  # requests with no keys before the step: fresh_attention's
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,6 +111,10 @@ def _unified_attention_kernel(
         return  # the grid is an upper bound on the number of tiles
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - num_q  # keys before this step's first query row
+    # NOTE: nested: Triton's `and` of a constexpr and a tensor does not compile for sm90
+    if SKIP_FRESH:  # noqa: SIM102
+        if context_len == 0:
+            return
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -181,6 +186,7 @@ def unified_attention(
     tile: tuple[int, int, int, int] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    skip_fresh: bool = False,
 ) -> None:
     """Causal attention of each request's query rows over its cached context, into out.
 
@@ -191,6 +197,8 @@ def unified_attention(
     max_query_len / max_seq_len may be upper bounds: they only choose the tile shape.
     `tile` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default (for tuning).
     An fp8 cache (float8_e4m3fn) holds keys / k_scale and values / v_scale.
+    skip_fresh: requests whose every key is this step's (seq_len == query rows) are left to
+    fresh_attention (their rows of out not written).
     """
     # q, out: [num_tokens, num_heads, head_dim]
     # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -248,6 +256,7 @@ def unified_attention(
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
+        SKIP_FRESH=skip_fresh,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -97,14 +97,19 @@ class _Compositions:
         meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:  # fmt: skip
         """The attention's input side, then attention: the qkv projection of x, rotary on q
-        and k, k and v to their cache slots: [num_tokens, num_heads, head_dim]."""
+        and k, k and v to their cache slots: [num_tokens, num_heads, head_dim]. In a step with
+        prompt rows, a fresh prompt (every key this step's) attends over the step's own k and
+        v as computed (`attention`'s `fresh`), not over the cache's copy (an fp8 cache's
+        rounded one)."""
         num_kv_heads, head_dim = kv_cache.shape[3:]
         qkv, scales = self.product(x, layer)
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-        q = self.rotary_and_write_kv(
-            q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, **scales
-        )
-        return self.attention(q, kv_cache, meta, scale)
+        fresh = not meta.is_decode_only
+        q, k, v = self.rotary_and_write_kv(
+            q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, store_kv=fresh,
+            **scales,
+        )  # fmt: skip
+        return self.attention(q, kv_cache, meta, scale, fresh=(k, v) if fresh else None)
 
 
 class TorchOps(_Compositions):
@@ -145,17 +150,19 @@ class TorchOps(_Compositions):
     rotary = staticmethod(ref.rotary_ref)
 
     @staticmethod
-    def rotary_and_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping):
-        """Rotated q; the rotated k and v go to their cache slots."""
+    def rotary_and_write_kv(
+        q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, store_kv=False
+    ):
+        """Rotated q and k, and v; the rotated k and v go to their cache slots."""
         q, k = ref.rotary_ref(q, k, positions, cos_sin_cache)
         ref.write_kv_cache_ref(k, v, kv_cache, slot_mapping)
-        return q
+        return q, k, v
 
     @staticmethod
-    def attention(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(q, kv_cache, meta: AttentionMetadata, scale: float, fresh=None):
         return ref.paged_attention_ref(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, meta.max_seq_len, scale,
+            meta.max_query_len, meta.max_seq_len, scale, fresh=fresh,
         )  # fmt: skip
 
 
@@ -172,6 +179,7 @@ class TritonOps(_Compositions):
             decode_attention,
             embedding,
             fp8_quant,
+            fresh_attention,
             gemv,
             lora,
             rms_norm,
@@ -183,6 +191,7 @@ class TritonOps(_Compositions):
         self._fp8_quant, self._lora = fp8_quant, lora
         self._norm, self._rope = rms_norm, rotary
         self._decode, self._unified = decode_attention, unified_attention
+        self._fresh = fresh_attention
         self.config = config = config or KernelConfig()
         self._pdl = config.enable_pdl
         self._gemv_tiles, self._preload_tiles = dict(config.gemv_tiles), dict(config.preload_tiles)
@@ -317,15 +326,17 @@ class TritonOps(_Compositions):
         return self._keep_quantized(x, fused), residual
 
     def rotary_and_write_kv(
-        self, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, **scales
-    ) -> torch.Tensor:
+        self, q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, store_kv=False,
+        **scales,
+    ):  # fmt: skip
         """One kernel: q rotated in place, rotated k and v stored to their cache slots (an
-        unscaled product's `scales` applied as they are read)."""
+        unscaled product's `scales` applied as they are read); with store_kv, k rotated and
+        v scaled in place too. Returns q, k, v (k, v as values only with store_kv)."""
         self._rope.apply_rotary_and_write_kv(
             q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, use_pdl=self._pdl,
-            **scales,
+            store_kv=store_kv, **scales,
         )  # fmt: skip
-        return q
+        return q, k, v
 
     def silu_and_mul(self, x, next_layer=None, **scales) -> torch.Tensor:
         fused = self._quantize_for(x.shape[0], x.shape[1] // 2, x.device, next_layer)
@@ -359,21 +370,29 @@ class TritonOps(_Compositions):
         attn_short_tile (0: none): CUDA graphs capture such batches apart."""
         return self.config.attn_short_keys if num_rows <= self.config.attn_small_rows else 0
 
-    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(
+        self, q, kv_cache, meta: AttentionMetadata, scale: float, fresh=None
+    ) -> torch.Tensor:
         """Decode-only steps through the decode kernel; a step with prompt rows in the unified
         launch, its leading decodes (meta.num_decodes) apart through the decode kernel: in a
         unified tile a decode fills one query row of many, and its keys go through the tile's
-        MMA path at a fraction of the decode kernel's rate."""
+        MMA path at a fraction of the decode kernel's rate. fresh: the step's (k, v), rotated:
+        requests with no keys before the step attend over them (fresh_attention: contiguous
+        rows in q's dtype, no block table, no fp8 conversion), not over the cache."""
         if meta.is_decode_only:
             return self._decode_attention(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n:
             self._decode_attention(q[:n], kv_cache, meta, scale, out=out[:n])
+        qsl, seq_lens = meta.query_start_loc[n:], meta.seq_lens[n:]
         self._unified.unified_attention(
-            q[n:], kv_cache, out[n:], meta.query_start_loc[n:], meta.seq_lens[n:],
-            meta.block_tables[n:], meta.max_query_len, meta.max_seq_len, scale,
+            q[n:], kv_cache, out[n:], qsl, seq_lens, meta.block_tables[n:], meta.max_query_len,
+            meta.max_seq_len, scale, skip_fresh=fresh is not None,
         )  # fmt: skip
+        if fresh is not None:
+            k, v = fresh
+            self._fresh.fresh_attention(q[n:], k[n:], v[n:], out[n:], qsl, seq_lens, scale)
         return out
 
 
