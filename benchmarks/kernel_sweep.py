@@ -8,8 +8,9 @@ its torch reference; the best per shape is printed against the default in a clos
                            (384 rows of 1000-2000 keys) and W2's (1 row, 640 keys); TB/s of KV
     --kernel prefill-attn  unified attention tiles at the W3 / W5 prefill shapes; TFLOP/s; with
                            --kv-dtype fp8 over an e4m3 cache; where every request is a whole
-                           prompt of one length, torch's SDPA (flash, contiguous bf16 K/V) as
-                           the same-run ceiling; where a step begins with decodes, the engine's
+                           prompt, fresh_attention's tiles over the step's own bf16 k / v, and
+                           (one length) torch's SDPA (flash and cuDNN, contiguous bf16 K/V) as
+                           the same-run ceilings; where a step begins with decodes, the engine's
                            op with them apart (decode kernel) against one unified launch
 
     PYTHONPATH=. python3 benchmarks/kernel_sweep.py --kernel gemv [--all]
