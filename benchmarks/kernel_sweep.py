@@ -48,10 +48,10 @@ PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the
 ]  # fmt: skip
 # fresh_attention's (BLOCK_M, BLOCK_N, num_warps, num_stages, HEADS); the first is its default
 FRESH_TILES = [
-    (128, 64, 8, 2, 1), (128, 64, 4, 2, 1), (128, 64, 8, 3, 1), (128, 128, 8, 2, 1),
-    (128, 128, 8, 3, 1), (64, 64, 4, 2, 1), (64, 128, 4, 2, 1), (128, 32, 4, 3, 1),
-    (128, 64, 8, 2, 4), (128, 64, 4, 2, 4), (128, 128, 8, 2, 4), (256, 64, 8, 2, 4),
-    (128, 64, 8, 2, 2), (256, 64, 8, 2, 1),
+    (128, 32, 4, 3, 1), (128, 64, 8, 2, 1), (128, 64, 4, 2, 1), (128, 64, 8, 3, 1),
+    (128, 128, 8, 2, 1), (128, 128, 8, 3, 1), (64, 64, 4, 2, 1), (64, 128, 4, 2, 1),
+    (64, 64, 4, 3, 1), (128, 64, 8, 2, 4), (128, 64, 4, 2, 4), (128, 128, 8, 2, 4),
+    (256, 64, 8, 2, 4), (128, 64, 8, 2, 2), (256, 64, 8, 2, 1),
 ]  # fmt: skip
 PREFILL_SHAPES = {  # name -> [(context before, new tokens)] per request
     "W3-2048 prefill step 32x2048": [(0, 2048)] * 32,
@@ -252,7 +252,9 @@ def sdpa_cudnn_ms(q: torch.Tensor, requests: list[tuple[int, int]]) -> float | N
         )  # fmt: skip
 
 
-def sweep_prefill_attn(only: str = "", kv_dtype: str = "bf16") -> tuple[dict, list[str]]:
+def sweep_prefill_attn(
+    only: str = "", kv_dtype: str = "bf16", fresh_only: bool = False
+) -> tuple[dict, list[str]]:
     import triton.testing
 
     from lantau.kernels import fresh_attention as fa
@@ -283,7 +285,7 @@ def sweep_prefill_attn(only: str = "", kv_dtype: str = "bf16") -> tuple[dict, li
         except Exception as e:  # no flash kernel for this GPU / dtype: no ceiling
             print(name, "sdpa", type(e).__name__, str(e)[:80], flush=True)
             sdpa_ms = None
-        for tile in PREFILL_TILES:
+        for tile in PREFILL_TILES[:1] if fresh_only else PREFILL_TILES:
 
             def run(tile=tile, args=(q, kv, out, qsl, seq, blocks, max_q, max_s)):
                 ua.unified_attention(*args, DIM**-0.5, tile=tile)
@@ -364,6 +366,10 @@ def main() -> None:
     p.add_argument("--all", action="store_true", help="gemv: every K-loop tiling, not the default")
     p.add_argument("--shapes", default="", help="prefill-attn: only shapes whose name has this")
     p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"], help="prefill-attn")
+    p.add_argument(
+        "--fresh-only", action="store_true",
+        help="prefill-attn: of the unified tiles only the first, beside fresh_attention's",
+    )  # fmt: skip
     args = p.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     if args.kernel == "gemv":
@@ -371,7 +377,7 @@ def main() -> None:
     elif args.kernel == "decode-attn":
         results, table = sweep_decode_attn()
     else:
-        results, table = sweep_prefill_attn(args.shapes, args.kv_dtype)
+        results, table = sweep_prefill_attn(args.shapes, args.kv_dtype, args.fresh_only)
     suffix = f"-{args.kv_dtype}" if args.kernel == "prefill-attn" else ""
     path = os.path.join(os.environ.get("OUT", "."), f"kernel_sweep-{args.kernel}{suffix}.json")
     with open(path, "w") as f:
