@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from lantau.kernels.attention_tiles import LOG2E, dot_precision, softmax_step
-from lantau.kernels.unified_attention import _find_request
+from lantau.kernels.unified_attention import find_tile
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, HEADS): the best of 14 tilings on an H100 at 8 x
 # 1,000 and 4 x 2,048 prompt tokens (223 and 368 us a layer, llama3-8b heads), within 1 % of
@@ -86,11 +86,7 @@ def _fresh_attention_kernel(
 ):
     head_group = tl.program_id(0)
     tile_id = tl.num_programs(1) - 1 - tl.program_id(1)
-    base = tl.load(query_start_loc_ptr)
-    req = _find_request(query_start_loc_ptr, base, tile_id, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req) - base
-    num_q = tl.load(query_start_loc_ptr + req + 1) - base - q_start
-    q_tile = tile_id - (q_start // BLOCK_Q + req)
+    req, q_start, num_q, q_tile = find_tile(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q)
     if q_tile * BLOCK_Q >= num_q:
         return
     if tl.load(seq_lens_ptr + req) != num_q:

@@ -63,6 +63,18 @@ def _find_request(query_start_loc_ptr, base, tile_id, num_reqs, BLOCK_Q: tl.cons
     return lo - 1
 
 
+@triton.jit
+def find_tile(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr):
+    """Global query tile `tile_id`: its request, the request's first row of q and its number
+    of query rows, and the tile's index within the request (past its rows: nothing to do).
+    Row 0 of q is query_start_loc[0]'s (a batch's tail: its leading rows another launch's)."""
+    base = tl.load(query_start_loc_ptr)
+    req = _find_request(query_start_loc_ptr, base, tile_id, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req) - base
+    num_q = tl.load(query_start_loc_ptr + req + 1) - base - q_start
+    return req, q_start, num_q, tile_id - (q_start // BLOCK_Q + req)
+
+
 # NOTE: what changes from step to step is not specialized (Triton compiles a variant for 1 and
 # for multiples of 16 of each int argument, and for 16-byte aligned pointers): the ints, and the
 # per-request arrays, which start mid-allocation in a batch's tail (ops.py: a step's leading
@@ -99,14 +111,8 @@ def _unified_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: exact, not TF32
     SKIP_FRESH: tl.constexpr,  # requests with no keys before the step: fresh_attention's
 ):
-    tile_id = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    # row 0 of q is query_start_loc[0]'s (a batch's tail: its leading rows another launch's)
-    base = tl.load(query_start_loc_ptr)
-    req = _find_request(query_start_loc_ptr, base, tile_id, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req) - base
-    num_q = tl.load(query_start_loc_ptr + req + 1) - base - q_start
-    q_tile = tile_id - (q_start // BLOCK_Q + req)
+    tile_id, kv_head = tl.program_id(0), tl.program_id(1)
+    req, q_start, num_q, q_tile = find_tile(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q)
     if q_tile * BLOCK_Q >= num_q:
         return  # the grid is an upper bound on the number of tiles
     seq_len = tl.load(seq_lens_ptr + req)
