@@ -10,8 +10,10 @@ and element d < h of a head pairs with element d + h:
 
 as lantau.kernels.reference.rotary_ref computes it. One program rotates every q and k head of a
 token; q in place, while the rotated keys and the values go straight into their paged-cache
-slots (attention reads keys from the cache, not from k), quantized there if the cache is fp8
-(lantau.kernels.reference.quantize_kv_ref).
+slots, quantized there if the cache is fp8 (lantau.kernels.reference.quantize_kv_ref). Attention
+reads keys from the cache, but for a step's fresh prompts (fresh_attention), which read the
+step's own k and v: with store_kv the rotated keys (and an unscaled product's scaled values)
+are also stored back in place.
 """
 
 from __future__ import annotations
