@@ -37,19 +37,14 @@ def _fresh_step(acc, l_i, m_i, q, q_idx, k_base, v_base, start_n, num_q, stride_
     """One online-softmax step over the request's keys start_n .. start_n + BLOCK_N."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    if MASKED:
-        valid = offs_n < num_q
-        k = tl.load(k_base + offs_n[:, None] * stride_k + offs_d[None, :], mask=valid[:, None])
-    else:
-        k = tl.load(k_base + offs_n[:, None] * stride_k + offs_d[None, :])
+    # only a masked tile reaches past the request's keys
+    valid = (offs_n < num_q)[:, None] if MASKED else None
+    k = tl.load(k_base + offs_n[:, None] * stride_k + offs_d[None, :], mask=valid)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         s = tl.where(offs_n[None, :] <= q_idx[:, None], s, float("-inf"))
     p, alpha, l_i, m_new = softmax_step(s, l_i, m_i)
-    if MASKED:
-        v = tl.load(v_base + offs_n[:, None] * stride_v + offs_d[None, :], mask=valid[:, None])
-    else:
-        v = tl.load(v_base + offs_n[:, None] * stride_v + offs_d[None, :])
+    v = tl.load(v_base + offs_n[:, None] * stride_v + offs_d[None, :], mask=valid)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 

@@ -173,8 +173,8 @@ def paged_attention_ref(
 
     starts = (query_start_loc[:-1] - query_start_loc[0]).long()
     num_q = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    k_pos = torch.arange(key_len, device=query.device)
     if fresh is not None:
-        k_pos = torch.arange(key_len, device=query.device)
         rows = (starts[:, None] + k_pos[None, :]).clamp(max=num_tokens - 1)  # [num_reqs, keys]
         own = (seq_lens.long() == num_q)[:, None] & (k_pos[None, :] < num_q[:, None])
         own = own[..., None, None]  # [num_reqs, keys, 1, 1]
@@ -185,7 +185,6 @@ def paged_attention_ref(
     q = query[rows]  # [num_reqs, max_q, num_heads, head_dim]
     # position of each padded query row in its sequence; keys up to and including it are seen
     q_pos = (seq_lens.long() - num_q)[:, None] + q_idx[None, :]  # [num_reqs, max_q]
-    k_pos = torch.arange(key_len, device=query.device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [num_reqs, max_q, key_len]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # [num_reqs, num_heads, max_q, head_dim]
