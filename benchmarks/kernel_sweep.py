@@ -191,10 +191,13 @@ def sweep_decode_attn() -> tuple[dict, list[str]]:
     return results, table
 
 
-def sdpa_ceiling_ms(q: torch.Tensor, requests: list[tuple[int, int]]) -> float | None:
-    """torch's SDPA (flash) over the same prompts as contiguous bf16 [B, H, L, D] tensors, GQA
-    by expanded K/V views: what a dense causal kernel reaches here. None unless every request
-    is a whole prompt of one length."""
+def sdpa_ceiling_ms(
+    q: torch.Tensor, requests: list[tuple[int, int]], backend: str = "FLASH_ATTENTION"
+) -> float | None:
+    """torch's SDPA (flash, or `backend`: CUDNN_ATTENTION, Hopper's TMA / warpgroup kernels)
+    over the same prompts as contiguous bf16 [B, H, L, D] tensors, GQA by expanded K/V views:
+    what a dense causal kernel reaches here. None unless every request is a whole prompt of one
+    length."""
     import torch.nn.functional as F
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -208,7 +211,7 @@ def sdpa_ceiling_ms(q: torch.Tensor, requests: list[tuple[int, int]]) -> float |
     g = HEADS // KV_HEADS
     k = k[:, :, None].expand(b, KV_HEADS, g, n, DIM).reshape(b, HEADS, n, DIM)
     v = v[:, :, None].expand(b, KV_HEADS, g, n, DIM).reshape(b, HEADS, n, DIM)
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    with sdpa_kernel(getattr(SDPBackend, backend)):
         return triton.testing.do_bench(
             lambda: F.scaled_dot_product_attention(qd, k, v, is_causal=True),
             warmup=25, rep=100, return_mode="median",
@@ -229,27 +232,6 @@ def fresh_qkv(q: torch.Tensor, kv: torch.Tensor, blocks: torch.Tensor, requests)
     kv_k.view(-1, KV_HEADS, DIM).copy_(kv[0][slot_block, pos % BLOCK])
     kv_v.view(-1, KV_HEADS, DIM).copy_(kv[1][slot_block, pos % BLOCK])
     return qv, kv_k.view(-1, KV_HEADS, DIM), kv_v.view(-1, KV_HEADS, DIM)
-
-
-def sdpa_cudnn_ms(q: torch.Tensor, requests: list[tuple[int, int]]) -> float | None:
-    """sdpa_ceiling_ms through cuDNN's attention (Hopper's TMA / warpgroup kernels)."""
-    import torch.nn.functional as F
-    import triton.testing
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if any(c for c, _ in requests) or len({n for _, n in requests}) != 1:
-        return None
-    b, n = len(requests), requests[0][1]
-    qd = q.view(b, n, HEADS, DIM).transpose(1, 2)
-    k = torch.randn(b, KV_HEADS, n, DIM, device="cuda", dtype=q.dtype)
-    g = HEADS // KV_HEADS
-    k = k[:, :, None].expand(b, KV_HEADS, g, n, DIM).reshape(b, HEADS, n, DIM)
-    v = torch.randn_like(k)
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return triton.testing.do_bench(
-            lambda: F.scaled_dot_product_attention(qd, k, v, is_causal=True),
-            warmup=25, rep=100, return_mode="median",
-        )  # fmt: skip
 
 
 def sweep_prefill_attn(
@@ -317,7 +299,7 @@ def sweep_prefill_attn(
                 print(name, "fresh", tile, type(e).__name__, str(e)[:80], flush=True)
         if fresh:
             try:
-                cudnn_ms = sdpa_cudnn_ms(q, requests)
+                cudnn_ms = sdpa_ceiling_ms(q, requests, "CUDNN_ATTENTION")
                 row["sdpa cudnn"], row["sdpa cudnn us"] = flop / cudnn_ms / 1e9, cudnn_ms * 1e3
             except Exception as e:
                 print(name, "cudnn", type(e).__name__, str(e)[:80], flush=True)
