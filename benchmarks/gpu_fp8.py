@@ -3,6 +3,7 @@ llama3-8b, the fp8 GEMV's tilings, and the W2 / W3 / W4 workloads through the of
 
     PYTHONPATH=. python3 benchmarks/gpu_fp8.py [--budget-s 480] [--skip sweep,w4]
         [--fp8-engine-args '{"kv_cache_dtype": "fp8"}'] [--w3-seqs 384,768] [--w4-seqs 128,512]
+        [--scaling-rows 171,256,512] [--scaling-shapes 70b]
 
 --w3-seqs / --w4-seqs: max_num_seqs of the 8B / 70B fp8 engines; the first runs every workload
 of its section, each further one a fresh engine for the throughput rows only (W3-fp8-128 and
@@ -83,7 +84,8 @@ TARGETS = {
 PRELOAD_TILES = [(2, 0, 2, 1), (2, 0, 4, 1), (4, 0, 4, 1), (4, 0, 8, 1), (8, 0, 8, 1)]
 # the accum section's rows: decode batches (W4's 128, W3's 384, 512) and prefill steps
 ACCUM_ROWS = (128, 384, 512, 2048, 16384)
-SCALING_ROWS = (256, 384, 1024, 4096, 16384)
+SCALING_ROWS = [256, 384, 1024, 4096, 16384]  # --scaling-rows
+SCALING_SHAPES: list[str] = []  # --scaling-shapes: names containing one of these (all: empty)
 
 
 @section("ceilings")
@@ -304,6 +306,8 @@ def scaling() -> None:
     one = torch.ones((), device="cuda")
     res = {}
     for name, (n, k) in {**SHAPES_8B, **SHAPES_70B}.items():
+        if SCALING_SHAPES and not any(part in name for part in SCALING_SHAPES):
+            continue
         copies = max(2, (1 << 30) // (n * k))
         ws = [fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
@@ -553,8 +557,9 @@ def w4(counts: dict[str, int], seqs: list[int]) -> None:
     print(f"70B fp8 engine up in {start_s:.1f} s, {used:.1f} GB, {blocks} KV blocks", flush=True)
     TABLE.append(("llama3-70b fp8 engine", f"up in {start_s:.0f} s", f"{blocks} KV blocks"))
     run_workload(llm, "in:128/out:512", 1, "W4-bs1", 1)
-    # W4-1000: no more than the KV cache holds at once, twice
-    n_1000 = min(counts["W4-1000"], 2 * max(blocks * llm.config.cache.block_size // 2000, 1))
+    # W4-1000: no more than the KV cache holds at once, twice (a count of 0: once, one wave)
+    held = max(blocks * llm.config.cache.block_size // 2000, 1)
+    n_1000 = min(counts["W4-1000"], 2 * held) if counts["W4-1000"] > 0 else held
     runs = [("W3-128", "W4-128", counts["W4-128"], 30000), ("W3-1000", "W4-1000", n_1000, 3000)]
     for spec, label, n, default_n in runs:
         if elapsed() > section.budget_s - 30:
@@ -650,7 +655,9 @@ def main() -> None:
     )
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
     parser.add_argument(
-        "--counts", default="", help="request counts, e.g. W3-128=4608,W3-1000=768,W4-1000=128"
+        "--counts",
+        default="",
+        help="request counts, e.g. W3-128=4608,W3-1000=768,W4-1000=128 (W4-1000=0: one wave)",
     )
     parser.add_argument(
         "--fp8-engine-args",
@@ -660,7 +667,18 @@ def main() -> None:
     parser.add_argument("--w3-seqs", default="384", help="the 8B fp8 engines' max_num_seqs")
     parser.add_argument("--w4-seqs", default="512", help="the 70B fp8 engines' max_num_seqs")
     parser.add_argument("--only", default="", help="workload labels to run, e.g. W4-128,W2-fp8")
+    parser.add_argument(
+        "--scaling-rows", default="", help="the scaling section's rows, e.g. 171,192,256"
+    )
+    parser.add_argument(
+        "--scaling-shapes",
+        default="",
+        help="scaling shapes: names containing, e.g. 70b",
+    )
     args = parser.parse_args()
+    if args.scaling_rows:
+        SCALING_ROWS[:] = [int(v) for v in args.scaling_rows.split(",")]
+    SCALING_SHAPES[:] = [v for v in args.scaling_shapes.split(",") if v]
     ONLY = {v for v in args.only.split(",") if v}
     w3_seqs = [int(v) for v in args.w3_seqs.split(",")]
     w4_seqs = [int(v) for v in args.w4_seqs.split(",")]
