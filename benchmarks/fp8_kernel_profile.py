@@ -5,9 +5,11 @@ the kernel after each gap, say what a step costs beyond its kernels).
 
 For each model: one wave of `--rows` prompts of the workload's (`--workloads`, W3-128 by
 default: 128 tokens in, 128 out), first prefill only (max_tokens 1), then prefill and every
-decode step; each phase's kernels grouped by name (device ms, share), by family (fp8 GEMM,
-activation quantization, attention, the rest), the wave's wall time and its implied tok/s
-against the same-run ceilings (fp8 matmul TFLOP/s, copy TB/s).
+decode step, then the decode steps alone (the prompts computed before, unprofiled); each
+phase's kernels grouped by name (device ms, share), by family (fp8 GEMM, activation
+quantization, attention, the rest; serially too: a kernel launched early by PDL is charged
+from the end of the one before), the wave's wall time and its implied tok/s against the
+same-run ceilings (fp8 matmul TFLOP/s, copy TB/s).
 
     PYTHONPATH=. python3 benchmarks/fp8_kernel_profile.py [--models 8b,70b] [--rows 384,128]
         [--workloads W3-128,W3-128] [--graphs] [--layers 40]
@@ -106,13 +108,35 @@ def kernel_gaps(prof) -> dict:
     }
 
 
-def profiled(llm, prompts, max_tokens: int) -> dict:
+def serial_times(prof) -> dict[str, float]:
+    """Device ms by family, each kernel charged only from the end of the kernels before it:
+    a kernel launched early (PDL) and waiting on the one before is not counted twice."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+    )
+    fams: dict[str, float] = defaultdict(float)
+    end = None
+    for start, stop, name in spans:
+        begin = start if end is None else max(start, end)
+        fams[family(name)] += max(stop - begin, 0.0) / 1e3
+        end = stop if end is None else max(end, stop)
+    return {k: round(v, 3) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])}
+
+
+def profiled(llm, prompts, max_tokens: int, cached: bool = False) -> dict:
+    """One generate of `prompts` under the profiler; `cached`: the prompts computed once
+    before (max_tokens 1, not profiled), so that the profiled run is its decode steps and one
+    step of each prompt's last token."""
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
     )
     batch = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(batch[:8], params)  # warm
     llm.reset_prefix_cache()
+    if cached:
+        llm.generate(batch, dataclasses.replace(params, max_tokens=1))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
@@ -131,6 +155,7 @@ def profiled(llm, prompts, max_tokens: int) -> dict:
         "wall_ms": wall * 1e3,
         "device_busy_ms": busy,
         "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+        "families_serial_ms": serial_times(prof),
         "top": [(name[:110], round(ms, 2), counts[name]) for name, ms in top],
     }
 
@@ -163,13 +188,14 @@ def run_model(
     n_params = sum(p.numel() for p in llm.engine.core.runner.model.parameters())
     name = f"{name} {workload}"
     res = results[name] = {"rows": rows, "params": n_params}
-    for phase, max_tokens in (("prefill", 1), ("wave", output_len)):
-        r = res[phase] = profiled(llm, wave.prompts, max_tokens)
-        tokens = rows * (prompt_len + max_tokens)
+    phases = (("prefill", 1, False), ("wave", output_len, False), ("decode", output_len, True))
+    for phase, max_tokens, cached in phases:
+        r = res[phase] = profiled(llm, wave.prompts, max_tokens, cached)
+        tokens = rows * (max_tokens if cached else prompt_len + max_tokens)
         tflop = 2 * n_params * tokens / 1e12
         r["matmul_tflop_s_of_wall"] = tflop / r["wall_ms"] * 1e3
         print(name, phase, json.dumps(r, indent=1), flush=True)
-        fams = ", ".join(f"{k} {v:.0f}" for k, v in list(r["families_ms"].items())[:5])
+        fams = ", ".join(f"{k} {v:.0f}" for k, v in list(r["families_serial_ms"].items())[:5])
         gaps = ", ".join(f"{k} {v:.0f}" for k, v in list(r["launch_gaps_ms"].items())[:5])
         table.append(
             (
@@ -183,6 +209,11 @@ def run_model(
     table.append(
         (f"{name} decode x{rows} (wave - prefill)", f"{wave_ms / (output_len - 1):.2f} ms/step", "")
     )
+    steps = output_len  # the cached prompts' last tokens, then output_len - 1 decode steps
+    per_step = ", ".join(
+        f"{k} {v / steps:.2f}" for k, v in res["decode"]["families_serial_ms"].items()
+    )
+    table.append((f"{name} decode x{rows} (cached prompts)", "ms a step by family", per_step))
     del llm
     gc.collect()
     torch.cuda.empty_cache()
