@@ -156,7 +156,8 @@ def kernels() -> None:
 def quant() -> None:
     """The writers of an fp8 projection's input (KernelConfig.fuse_fp8_quant) against the
     unfused pair each replaces, in CUDA graphs over inputs rotated past L2: SiLU-and-mul with
-    `quant` against silu_and_mul then quantize_rows (down_proj's input), the residual add +
+    `quant` (storing its output too and not, store=False) against silu_and_mul then
+    quantize_rows (down_proj's input), the residual add +
     RMSNorm with `quant` against it then quantize_rows (qkv's and gate_up's), and quantize_rows
     alone (o_proj's input); W3's and W4's decode rows and a prefill chunk, 8B and 70B widths;
     each fused output checked bit-equal to the pair's."""
@@ -191,9 +192,17 @@ def quant() -> None:
                 for g, o in zip(gate_up, outs, strict=True):
                     fp8_quant.quantize_rows(activation.silu_and_mul(g, out=o))
 
+            def silu_alone(gate_up=gate_up, outs=outs, quants=quants):  # store=False
+                for g, o, q in zip(gate_up, outs, quants, strict=True):
+                    activation.silu_and_mul(g, out=o, quant=q, store=False)
+
+            silu_alone()
+            alone = [t.clone() for t in quants[0]]
             silu_fused()
             row["silu_bit_equal"] = bit_equal(quants[0], outs[0])
+            row["silu_unstored_bit_equal"] = bit_equal(alone, outs[0])
             row["silu_quant_us"] = timed(silu_fused, copies)
+            row["silu_quant_unstored_us"] = timed(silu_alone, copies)
             row["silu_then_quantize_us"] = timed(silu_pair, copies)
             del gate_up, outs, quants
             copies = max(2, (256 << 20) // (rows * 8 * hidden))
@@ -229,10 +238,12 @@ def quant() -> None:
             TABLE.append(
                 (
                     f"fp8 input writers {model} x{rows}",
-                    f"SiLU+quant {row['silu_quant_us']} us (pair {row['silu_then_quantize_us']})",
+                    f"SiLU+quant {row['silu_quant_us']} us (pair {row['silu_then_quantize_us']}"
+                    f", unstored {row['silu_quant_unstored_us']})",
                     f"norm+quant {row['norm_quant_us']} (pair {row['norm_then_quantize_us']}); "
                     f"quantize_rows {row['quantize_rows_us']}; bit-equal "
-                    f"{row['silu_bit_equal'] and row['norm_bit_equal']}",
+                    f"{row['silu_bit_equal'] and row['silu_unstored_bit_equal']}"
+                    f" {row['norm_bit_equal']}",
                 )
             )
     RESULTS["quant"] = res

@@ -69,8 +69,8 @@ def test_kernels_quantize_their_output_as_written(m, k):
     """RMSNorm, the fused residual add + RMSNorm (also of an unscaled product) and SiLU-and-mul
     with `quant`: their outputs as without it, and the quantized rows' e4m3 bits and scales
     those of quantize_rows on that output (SiLU-and-mul's row held in registers up to 16,384
-    values, in two passes of 4,096-value tiles past that: 16,500). The norms with store=False:
-    the same quantized rows and nothing else written (SiLU-and-mul stores its output always)."""
+    values, in two passes of 4,096-value tiles past that: 16,500). With store=False: the same
+    quantized rows and nothing else written (but SiLU-and-mul's two-pass rows, read back)."""
     from lantau.kernels import activation, fp8_quant, rms_norm
 
     gen = torch.Generator().manual_seed(m + k)
@@ -116,6 +116,10 @@ def test_kernels_quantize_their_output_as_written(m, k):
         out = activation.silu_and_mul(gate_up, **scales, quant=quant)
         assert torch.equal(out, activation.silu_and_mul(gate_up, **scales))
         check(out, quant)
+        unwritten = torch.full_like(out, 7.0)
+        check_unstored(quant, activation.silu_and_mul, gate_up, **scales, out=unwritten)
+        two_pass = 1 << (k - 1).bit_length() > activation.MAX_QUANT_ROW
+        assert torch.equal(unwritten, out if two_pass else torch.full_like(out, 7.0))
     with pytest.raises(AssertionError, match="quantized rows must be"):
         rms_norm.rms_norm(x, weight, 1e-5, quant=fp8_quant.empty_quantized(m, k + 1, "cpu"))
 
@@ -503,9 +507,9 @@ def test_scaled_readers_compile_for_hopper():
         ("activation._silu_and_mul_kernel", silu,
          dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=True)),
         ("activation._silu_and_mul_quant_kernel", {**silu, **quant},
-         dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=False, ONE_PASS=False)),
+         dict(BLOCK_SIZE=4096, USE_PDL=True, SCALED=False, ONE_PASS=False, STORE=True)),
         ("activation._silu_and_mul_quant_kernel", {**silu, **quant},  # 8B's row in registers
-         dict(BLOCK_SIZE=16384, USE_PDL=True, SCALED=True, ONE_PASS=True)),
+         dict(BLOCK_SIZE=16384, USE_PDL=True, SCALED=True, ONE_PASS=True, STORE=False)),
         ("fp8_quant._quantize_rows_kernel",
          dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
          dict(BLOCK_K=4096, USE_PDL=True)),

@@ -1,11 +1,10 @@
 """SiLU-and-multiply: the activation between LlamaMLP's fused gate_up_proj and down_proj;
 optionally quantized by row as written too, for an fp8 down_proj (fp8_quant.quantize_rows'
-bits, without its launch).
+bits, without its launch), and then, with `store=False`, only so where the row fits one
+program's registers (the projection reads nothing else).
 
-NOTE: the output is stored even where only the quantized rows are read: the one-pass kernel
-without the store took 25.11 us a launch against 22.12 with it at 384 rows, 16.13 against
-13.08 at 172 and 486 against 383 at 8,192 (llama3-8b, H100, RESULTS.md 2026-12-06), and the
-two-pass kernel computing the row again instead of reading it back lost at 70B's widths."""
+NOTE: a row too long for registers (70B's 28,672 values) is stored always: its second pass
+reads it back; computing it again from x instead lost at 70B's widths (RESULTS.md 2026-12-06)."""
 
 from __future__ import annotations
 
@@ -82,6 +81,7 @@ def _silu_and_mul_quant_kernel(
     USE_PDL: tl.constexpr,
     SCALED: tl.constexpr,
     ONE_PASS: tl.constexpr,  # BLOCK_SIZE >= d: the whole row in registers
+    STORE: tl.constexpr,  # the output stored (off, one pass only: just its quantized rows)
 ):
     """One program a row, the activation rounded to out's dtype and quantized from that, as
     quantize_rows would from out: a row that fits one block is held in registers; a longer
@@ -95,7 +95,8 @@ def _silu_and_mul_quant_kernel(
     if ONE_PASS:
         mask = offs < d
         out = _silu_mul(x_row, offs, mask, d, row, row_scale_ptr, col_scale_ptr, SCALED).to(out_ty)
-        tl.store(out_row + offs, out, mask=mask)
+        if STORE:
+            tl.store(out_row + offs, out, mask=mask)
         quantize_row(out.to(tl.float32), q_ptr + row * d, q_scale_ptr + row, offs, mask)
         return
     amax = tl.zeros([BLOCK_SIZE], tl.float32)
@@ -116,6 +117,7 @@ def silu_and_mul(
     row_scale: torch.Tensor | None = None,
     col_scale: torch.Tensor | None = None,
     quant: tuple[torch.Tensor, torch.Tensor] | None = None,
+    store: bool = True,
 ) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up], in fp32, rounded once to x's dtype.
 
@@ -124,7 +126,8 @@ def silu_and_mul(
     (fp32, together): x is a product still to be scaled (a tensor-wise fp8 GEMM's), each
     value by its row's and its column's scale before the activation. quant (buffers of
     fp8_quant.empty_quantized): out's rows quantized into them too, as quantize_rows(out), in
-    the same launch (a program a row).
+    the same launch (a program a row); with store=False only there where a row fits one
+    program (out left unwritten; rows wider than MAX_QUANT_ROW are stored still).
     """
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [num_tokens, 2 * d], {tuple(x.shape)}"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
@@ -137,6 +140,7 @@ def silu_and_mul(
     assert out.device == x.device, f"out on {out.device}, x on {x.device}"
     assert out.stride(1) == 1, f"out rows must be contiguous, strides {out.stride()}"
     scaled = check_unscaled(row_scale, col_scale, num_tokens, 2 * d, x.device)
+    assert store or quant is not None, "store=False needs quant"
     if quant is not None:
         check_quantized(quant, num_tokens, d, x.device)
     if num_tokens == 0 or d == 0:
@@ -148,7 +152,7 @@ def silu_and_mul(
         block_size = width if one_pass else MAX_BLOCK_K
         _silu_and_mul_quant_kernel[(num_tokens,)](
             x, out, *quant, x.stride(0), out.stride(0), d, *scales, BLOCK_SIZE=block_size,
-            SCALED=scaled, ONE_PASS=one_pass,
+            SCALED=scaled, ONE_PASS=one_pass, STORE=store or not one_pass,
             **pdl.launch_options(x.device, use_pdl),
             num_warps=32 if one_pass else min(max(block_size // 512, 1), 8),
         )  # fmt: skip

@@ -254,8 +254,7 @@ class TritonOps(_Compositions):
         it is written, when the projection that reads it next quantizes its input so (an fp8
         layer, not the batch-1 GEMV) and KernelConfig.fuse_fp8_quant (one launch and a read of
         the output fewer); the output itself stored only for an adapter's delta, the one
-        reader of it beside the quantized rows ({}: no quantization, the output stored). The
-        norms take both; SiLU-and-mul only `quant` (it stores its output always)."""
+        reader of it beside the quantized rows ({}: no quantization, the output stored)."""
         fused = self.config.fuse_fp8_quant and isinstance(next_layer, fp8.Fp8Linear)
         if not fused or self._by_gemv(rows):
             return {}
@@ -340,7 +339,7 @@ class TritonOps(_Compositions):
 
     def silu_and_mul(self, x, next_layer=None, **scales) -> torch.Tensor:
         fused = self._quantize_for(x.shape[0], x.shape[1] // 2, x.device, next_layer)
-        out = self._act.silu_and_mul(x, use_pdl=self._pdl, **scales, quant=fused.get("quant"))
+        out = self._act.silu_and_mul(x, use_pdl=self._pdl, **scales, **fused)
         return self._keep_quantized(out, fused)
 
     def _decode_attention(
