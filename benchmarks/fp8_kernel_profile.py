@@ -66,14 +66,19 @@ def kernel_times(prof) -> tuple[dict[str, float], dict[str, int]]:
 GAP_IDLE_US = 100.0  # a longer gap between kernels is the host's (between steps), not a launch's
 
 
-def kernel_gaps(prof) -> dict:
-    """The device's gaps between consecutive kernels (and copies): under GAP_IDLE_US by the
-    family of the kernel after the gap (launch and drain costs), longer ones summed apart."""
-    spans = sorted(
+def device_spans(prof) -> list[tuple[float, float, str]]:
+    """The profile's kernels and copies on the device: (start us, end us, name), by start."""
+    return sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
     )
+
+
+def kernel_gaps(prof) -> dict:
+    """The device's gaps between consecutive kernels (and copies): under GAP_IDLE_US by the
+    family of the kernel after the gap (launch and drain costs), longer ones summed apart."""
+    spans = device_spans(prof)
     gaps: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     # the idle gaps: (us, ms from the first kernel, the kernel before, the kernel after)
@@ -111,14 +116,9 @@ def kernel_gaps(prof) -> dict:
 def serial_times(prof) -> dict[str, float]:
     """Device ms by family, each kernel charged only from the end of the kernels before it:
     a kernel launched early (PDL) and waiting on the one before is not counted twice."""
-    spans = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
-    )
     fams: dict[str, float] = defaultdict(float)
     end = None
-    for start, stop, name in spans:
+    for start, stop, name in device_spans(prof):
         begin = start if end is None else max(start, end)
         fams[family(name)] += max(stop - begin, 0.0) / 1e3
         end = stop if end is None else max(end, stop)
