@@ -16,6 +16,9 @@ Sections, in order (each on its own: an error is printed and the next section ru
   quant     the writers of an fp8 projection's input (SiLU-and-mul, the residual add +
             RMSNorm, each with `quant`) against the unfused pair, and quantize_rows alone, at
             W3's and W4's decode rows and a prefill chunk: us a launch, bit-equality
+  silu-passes  the quantizing SiLU-and-mul unstored in one pass (the row in registers) against
+            two, 8B and 70B widths, 128 to 8,192 rows, with and without a tensor-wise
+            product's scales: us a launch, bit-equality
   accum     `_scaled_mm` with and without fast accumulation at the 8B and 70B projection
             shapes and 128 to 16,384 rows: TFLOP/s and error against the dequantized product
   scaling   row-wise scaled `_scaled_mm` (CUTLASS) against tensor-wise (cuBLASLt, scales 1)
@@ -156,7 +159,8 @@ def kernels() -> None:
 def quant() -> None:
     """The writers of an fp8 projection's input (KernelConfig.fuse_fp8_quant) against the
     unfused pair each replaces, in CUDA graphs over inputs rotated past L2: SiLU-and-mul with
-    `quant` (storing its output too and not, store=False) against silu_and_mul then
+    `quant` (storing its output too and not, store=False, and unstored with a tensor-wise
+    product's row and column scales, as decode batches run it) against silu_and_mul then
     quantize_rows (down_proj's input), the residual add +
     RMSNorm with `quant` against it then quantize_rows (qkv's and gate_up's), and quantize_rows
     alone (o_proj's input); W3's and W4's decode rows and a prefill chunk, 8B and 70B widths;
@@ -196,13 +200,29 @@ def quant() -> None:
                 for g, o, q in zip(gate_up, outs, quants, strict=True):
                     activation.silu_and_mul(g, out=o, quant=q, store=False)
 
+            # a tensor-wise product's row and column scales, as the decode batches run it
+            scales = dict(
+                row_scale=torch.rand(rows, device="cuda") + 0.5,
+                col_scale=torch.rand(2 * inter, device="cuda") + 0.5,
+            )
+
+            def silu_scaled(gate_up=gate_up, outs=outs, quants=quants, scales=scales):
+                for g, o, q in zip(gate_up, outs, quants, strict=True):
+                    activation.silu_and_mul(g, out=o, quant=q, store=False, **scales)
+
             silu_alone()
             alone = [t.clone() for t in quants[0]]
             silu_fused()
             row["silu_bit_equal"] = bit_equal(quants[0], outs[0])
             row["silu_unstored_bit_equal"] = bit_equal(alone, outs[0])
+            silu_scaled()
+            scaled = [t.clone() for t in quants[0]]
+            row["silu_scaled_bit_equal"] = bit_equal(
+                scaled, activation.silu_and_mul(gate_up[0], **scales)
+            )
             row["silu_quant_us"] = timed(silu_fused, copies)
             row["silu_quant_unstored_us"] = timed(silu_alone, copies)
+            row["silu_quant_scaled_us"] = timed(silu_scaled, copies)
             row["silu_then_quantize_us"] = timed(silu_pair, copies)
             del gate_up, outs, quants
             copies = max(2, (256 << 20) // (rows * 8 * hidden))
@@ -239,14 +259,80 @@ def quant() -> None:
                 (
                     f"fp8 input writers {model} x{rows}",
                     f"SiLU+quant {row['silu_quant_us']} us (pair {row['silu_then_quantize_us']}"
-                    f", unstored {row['silu_quant_unstored_us']})",
+                    f", unstored {row['silu_quant_unstored_us']}"
+                    f", scaled unstored {row['silu_quant_scaled_us']})",
                     f"norm+quant {row['norm_quant_us']} (pair {row['norm_then_quantize_us']}); "
                     f"quantize_rows {row['quantize_rows_us']}; bit-equal "
                     f"{row['silu_bit_equal'] and row['silu_unstored_bit_equal']}"
+                    f" {row['silu_scaled_bit_equal']}"
                     f" {row['norm_bit_equal']}",
                 )
             )
     RESULTS["quant"] = res
+
+
+SILU_ROWS = [128, 172, 256, 384, 512, 768, 8192]
+
+
+@section("silu-passes")
+def silu_passes() -> None:
+    """The quantizing SiLU-and-mul unstored (as the engine runs it) with its row held in
+    registers (one pass) against two passes (the row stored, then read back), forced through
+    activation.MAX_QUANT_ROW, at 8B's and 70B's widths and 128 to 8,192 rows, unscaled (a
+    row-wise product) and with a tensor-wise product's row and column scales, in CUDA graphs
+    over inputs rotated past L2; the two ways' e4m3 bits checked equal."""
+    from lantau.bench.offline import graph_ms
+    from lantau.kernels import activation, fp8_quant
+
+    res, widest = {}, activation.MAX_QUANT_ROW
+    for model, inter in (("8b", 14336), ("70b", 28672)):
+        width = 1 << (inter - 1).bit_length()  # the one-pass block
+        for rows in SILU_ROWS:
+            copies = max(2, (256 << 20) // (rows * 4 * inter))
+            gate_up = [
+                torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
+                for _ in range(copies)
+            ]
+            outs = [torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16) for _ in gate_up]
+            quants = [fp8_quant.empty_quantized(rows, inter, "cuda") for _ in gate_up]
+            scales = dict(
+                row_scale=torch.rand(rows, device="cuda") + 0.5,
+                col_scale=torch.rand(2 * inter, device="cuda") + 0.5,
+            )
+            row = res[f"{model} x{rows}"] = {}
+            for scaled in (False, True):
+                kw = scales if scaled else {}
+
+                def run(gate_up=gate_up, outs=outs, quants=quants, kw=kw):
+                    for g, o, q in zip(gate_up, outs, quants, strict=True):
+                        activation.silu_and_mul(g, out=o, quant=q, store=False, **kw)
+
+                bits = []
+                for name, max_row in (("one", width), ("two", width // 2)):
+                    activation.MAX_QUANT_ROW = max_row
+                    try:
+                        run()
+                        bits.append([t.clone() for t in quants[0]])
+                        key = f"{'scaled' if scaled else 'plain'} {name}-pass us"
+                        row[key] = round(1e3 * graph_ms(run) / copies, 2)
+                    finally:
+                        activation.MAX_QUANT_ROW = widest
+                row[f"{'scaled' if scaled else 'plain'} bit_equal"] = all(
+                    torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                    for a, b in zip(*bits, strict=True)
+                )
+            del gate_up, outs, quants
+            torch.cuda.empty_cache()
+            print(model, rows, row, flush=True)
+            TABLE.append(
+                (
+                    f"SiLU+quant unstored {model} x{rows}",
+                    f"plain one {row['plain one-pass us']} / two {row['plain two-pass us']} us",
+                    f"scaled one {row['scaled one-pass us']} / two {row['scaled two-pass us']};"
+                    f" bit-equal {row['plain bit_equal']} {row['scaled bit_equal']}",
+                )
+            )
+    RESULTS["silu_passes"] = res
 
 
 @section("accum")
@@ -704,6 +790,7 @@ def main() -> None:
         ("ceilings", ceilings, ()),
         ("kernels", kernels, ()),
         ("quant", quant, ()),
+        ("silu-passes", silu_passes, ()),
         ("accum", accum, ()),
         ("scaling", scaling, ()),
         ("w2-bf16", w2_bf16, (ref,)),

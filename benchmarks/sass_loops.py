@@ -79,6 +79,24 @@ def disassemble(kernel) -> str:
     return done.stdout
 
 
+PTXAS = os.path.join(os.path.dirname(NVDISASM), "ptxas")
+PTXAS_USAGE = re.compile(r"(\d+) bytes spill stores.*?Used (\d+) registers", re.S)
+
+
+def register_use(kernel) -> tuple[int, int]:
+    """(registers a thread, bytes spilled a thread) of a compiled kernel, as sm90a's ptxas
+    reports them for its PTX: what decides how many programs an SM holds."""
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        done = subprocess.run(
+            [PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True
+        )
+    done.check_returncode()
+    spills, registers = PTXAS_USAGE.search(done.stderr).groups()
+    return int(registers), int(spills)
+
+
 def compile_sass(
     fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, ints=()
 ) -> str:

@@ -64,13 +64,14 @@ def test_quantize_rows_kernel_matches_reference(dtype, m, k):
 
 
 @pytest.mark.usefixtures("interpreter_fp8_cast")
-@pytest.mark.parametrize(("m", "k"), [(3, 96), (2, 5000), (1, 16500)])
+@pytest.mark.parametrize(("m", "k"), [(3, 96), (2, 5000), (1, 28672), (1, 33000)])
 def test_kernels_quantize_their_output_as_written(m, k):
     """RMSNorm, the fused residual add + RMSNorm (also of an unscaled product) and SiLU-and-mul
     with `quant`: their outputs as without it, and the quantized rows' e4m3 bits and scales
-    those of quantize_rows on that output (SiLU-and-mul's row held in registers up to 16,384
-    values, in two passes of 4,096-value tiles past that: 16,500). With store=False: the same
-    quantized rows and nothing else written (but SiLU-and-mul's two-pass rows, read back)."""
+    those of quantize_rows on that output (SiLU-and-mul's row held in registers up to 32,768
+    values, 70B's 28,672 included, in two passes of 4,096-value tiles past that: 33,000). With
+    store=False: the same quantized rows and nothing else written (but SiLU-and-mul's two-pass
+    rows, read back)."""
     from lantau.kernels import activation, fp8_quant, rms_norm
 
     gen = torch.Generator().manual_seed(m + k)
@@ -490,6 +491,34 @@ def test_projection_inputs_quantized_by_their_writers(tiny_llama_dir, monkeypatc
         assert set(widths) == {q_size}  # the fused run's: o_proj's input
         assert counts[False] == 4 * counts[True] > 0  # 4 projections a layer, 1 left
         assert results[True] == results[False]
+
+
+def test_silu_quant_row_fits_registers_on_hopper():
+    """The quantizing SiLU-and-mul's one-pass rows as the launcher builds them (32 warps):
+    llama3-70b's 28,672 values (a 32,768 block, MAX_QUANT_ROW) compile for sm90 without
+    spilling, in at most 64 registers a thread (one program an SM), stored or not, scaled or
+    not; llama3-8b's 16,384 block in at most 32 (two programs an SM)."""
+    from lantau.kernels import activation
+    from tests.compiled import run_compiled
+
+    block = activation.MAX_QUANT_ROW
+    code = f"""
+from sass_loops import compile_sm90, register_use
+from lantau.kernels.activation import _silu_and_mul_quant_kernel
+types = dict(x_ptr="*bf16", out_ptr="*bf16", row_scale_ptr="*fp32", col_scale_ptr="*fp32",
+             q_ptr="*fp8e4nv", q_scale_ptr="*fp32")
+for block, scaled, store in [({block}, False, False), ({block}, True, False), ({block}, True, True),
+                             (16384, False, False)]:
+    kernel = compile_sm90(_silu_and_mul_quant_kernel, types, dict(BLOCK_SIZE=block, USE_PDL=True,
+        SCALED=scaled, ONE_PASS=True, STORE=store), num_warps=32, num_stages=3,
+        ints=("x_row_stride", "out_row_stride", "d"))
+    print(block, *register_use(kernel))
+"""
+    rows = [line.split() for line in run_compiled(code).splitlines()]
+    assert len(rows) == 4 and activation.MAX_QUANT_ROW >= 28672
+    for block, registers, spills in rows:
+        assert int(spills) == 0, rows
+        assert int(registers) <= (32 if int(block) <= 16384 else 64), rows
 
 
 def test_scaled_readers_compile_for_hopper():

@@ -1,10 +1,11 @@
 """SiLU-and-multiply: the activation between LlamaMLP's fused gate_up_proj and down_proj;
 optionally quantized by row as written too, for an fp8 down_proj (fp8_quant.quantize_rows'
 bits, without its launch), and then, with `store=False`, only so where the row fits one
-program's registers (the projection reads nothing else).
+program's registers (the projection reads nothing else): up to 32,768 values, llama3-70b's
+28,672 included.
 
-NOTE: a row too long for registers (70B's 28,672 values) is stored always: its second pass
-reads it back; computing it again from x instead lost at 70B's widths (RESULTS.md 2026-12-06)."""
+NOTE: a row too long for registers is stored always: its second pass reads it back;
+computing it again from x instead lost at 70B's widths (RESULTS.md 2026-12-06)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ from lantau.kernels.pdl import pdl_wait
 # widest column tile of one program: past this a row is split over several programs, so that
 # decode batches of a few tokens still spread a wide MLP (d = 14336) over many SMs
 MAX_BLOCK_SIZE = 4096
-# widest row the quantizing kernel holds in registers (32 warps, 16 values a thread: llama3-8b's
-# 14,336); a wider one (70B's 28,672) takes two passes. 32 warps rather than 16: 287 against
-# 302 us at 8,192 rows, level at decode batches (H100, RESULTS.md 2026-12-07); either way one
-# program fills an SM's registers, and capping them (maxnreg 32: two programs an SM) added nothing
-MAX_QUANT_ROW = 16384
+# widest row the quantizing kernel holds in registers, on 32 warps: 32 values a thread, 60
+# registers on sm90 without spills (one program an SM), llama3-70b's 28,672 included; llama3-8b's
+# 14,336 take 16 a thread (two programs an SM). A wider row takes two passes. 32 warps rather
+# than 16: 287 against 302 us at 8,192 rows of 8B, level at decode batches (H100, RESULTS.md
+# 2026-12-07); capping registers (maxnreg 32) added nothing
+MAX_QUANT_ROW = 32768
 
 
 @triton.jit
