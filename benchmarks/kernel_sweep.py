@@ -48,9 +48,9 @@ PREFILL_TILES = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the
 ]  # fmt: skip
 # fresh_attention's (BLOCK_M, BLOCK_N, num_warps, num_stages, HEADS); the first is its default
 FRESH_TILES = [
-    (128, 32, 4, 3, 1), (128, 64, 8, 2, 1), (128, 64, 4, 2, 1), (128, 64, 8, 3, 1),
+    (64, 64, 4, 3, 1), (128, 64, 8, 2, 1), (128, 64, 4, 2, 1), (128, 64, 8, 3, 1),
     (128, 128, 8, 2, 1), (128, 128, 8, 3, 1), (64, 64, 4, 2, 1), (64, 128, 4, 2, 1),
-    (64, 64, 4, 3, 1), (128, 64, 8, 2, 4), (128, 64, 4, 2, 4), (128, 128, 8, 2, 4),
+    (128, 32, 4, 3, 1), (128, 64, 8, 2, 4), (128, 64, 4, 2, 4), (128, 128, 8, 2, 4),
     (256, 64, 8, 2, 4), (128, 64, 8, 2, 2), (256, 64, 8, 2, 1),
 ]  # fmt: skip
 PREFILL_SHAPES = {  # name -> [(context before, new tokens)] per request

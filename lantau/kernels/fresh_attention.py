@@ -23,11 +23,12 @@ import triton.language as tl
 from lantau.kernels.attention_tiles import LOG2E, dot_precision, softmax_step
 from lantau.kernels.unified_attention import find_tile
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, HEADS): the best of 14 tilings on an H100 at 8 x
-# 1,000 and 4 x 2,048 prompt tokens (223 and 368 us a layer, llama3-8b heads), within 1 % of
-# (128, 64, 8, 3, 1) at 32 x 2,048 (2,907 against 2,887 us), and 113 us at 64 x 128 where that
-# one takes 145 (benchmarks/kernel_sweep.py --kernel prefill-attn)
-DEFAULT_TILE = (128, 32, 4, 3, 1)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, HEADS): the best of 15 tilings on an H100 at 32 x
+# 2,048, 4 x 2,048 and 8 x 1,000 prompt tokens (2,885, 358.9 and 217.9 us a layer, llama3-8b
+# heads) against the earlier (128, 32, 4, 3, 1)'s 2,980, 369.8 and 227.8 (-3 to -4 %; -5 % in
+# a second run), level at 64 x 128 (114.8 against 114.0; benchmarks/kernel_sweep.py --kernel
+# prefill-attn --fresh-only, RESULTS.md 2026-12-07)
+DEFAULT_TILE = (64, 64, 4, 3, 1)
 
 
 @triton.jit
