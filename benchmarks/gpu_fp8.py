@@ -155,6 +155,25 @@ def kernels() -> None:
     )
 
 
+def silu_inputs(rows: int, inter: int):
+    """SiLU-and-mul's inputs at `rows` x 2 * inter in enough copies (~256 MB) that L2 holds
+    none: (copies, gate_up, outs, quantized-row buffers, a tensor-wise product's row and
+    column scales as decode batches apply them)."""
+    from lantau.kernels import fp8_quant
+
+    copies = max(2, (256 << 20) // (rows * 4 * inter))
+    gate_up = [
+        torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16) for _ in range(copies)
+    ]
+    outs = [torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16) for _ in gate_up]
+    quants = [fp8_quant.empty_quantized(rows, inter, "cuda") for _ in gate_up]
+    scales = dict(
+        row_scale=torch.rand(rows, device="cuda") + 0.5,
+        col_scale=torch.rand(2 * inter, device="cuda") + 0.5,
+    )
+    return copies, gate_up, outs, quants, scales
+
+
 @section("quant")
 def quant() -> None:
     """The writers of an fp8 projection's input (KernelConfig.fuse_fp8_quant) against the
@@ -180,13 +199,7 @@ def quant() -> None:
     for model, hidden, inter in (("8b", 4096, 14336), ("70b", 8192, 28672)):
         for rows in (384, 172, 8192):
             row = res[f"{model} x{rows}"] = {}
-            copies = max(2, (256 << 20) // (rows * 4 * inter))
-            gate_up = [
-                torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
-                for _ in range(copies)
-            ]
-            outs = [torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16) for _ in gate_up]
-            quants = [fp8_quant.empty_quantized(rows, inter, "cuda") for _ in gate_up]
+            copies, gate_up, outs, quants, scales = silu_inputs(rows, inter)
 
             def silu_fused(gate_up=gate_up, outs=outs, quants=quants):
                 for g, o, q in zip(gate_up, outs, quants, strict=True):
@@ -199,12 +212,6 @@ def quant() -> None:
             def silu_alone(gate_up=gate_up, outs=outs, quants=quants):  # store=False
                 for g, o, q in zip(gate_up, outs, quants, strict=True):
                     activation.silu_and_mul(g, out=o, quant=q, store=False)
-
-            # a tensor-wise product's row and column scales, as the decode batches run it
-            scales = dict(
-                row_scale=torch.rand(rows, device="cuda") + 0.5,
-                col_scale=torch.rand(2 * inter, device="cuda") + 0.5,
-            )
 
             def silu_scaled(gate_up=gate_up, outs=outs, quants=quants, scales=scales):
                 for g, o, q in zip(gate_up, outs, quants, strict=True):
@@ -282,23 +289,13 @@ def silu_passes() -> None:
     row-wise product) and with a tensor-wise product's row and column scales, in CUDA graphs
     over inputs rotated past L2; the two ways' e4m3 bits checked equal."""
     from lantau.bench.offline import graph_ms
-    from lantau.kernels import activation, fp8_quant
+    from lantau.kernels import activation
 
     res, widest = {}, activation.MAX_QUANT_ROW
     for model, inter in (("8b", 14336), ("70b", 28672)):
         width = 1 << (inter - 1).bit_length()  # the one-pass block
         for rows in SILU_ROWS:
-            copies = max(2, (256 << 20) // (rows * 4 * inter))
-            gate_up = [
-                torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
-                for _ in range(copies)
-            ]
-            outs = [torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16) for _ in gate_up]
-            quants = [fp8_quant.empty_quantized(rows, inter, "cuda") for _ in gate_up]
-            scales = dict(
-                row_scale=torch.rand(rows, device="cuda") + 0.5,
-                col_scale=torch.rand(2 * inter, device="cuda") + 0.5,
-            )
+            copies, gate_up, outs, quants, scales = silu_inputs(rows, inter)
             row = res[f"{model} x{rows}"] = {}
             for scaled in (False, True):
                 kw = scales if scaled else {}
