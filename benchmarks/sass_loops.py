@@ -47,11 +47,14 @@ POINTERS = {
 }  # fmt: skip
 
 
-def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, ints=()):
+def compile_sm90(
+    fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, ints=(), **options
+):
     """fn compiled for sm90 (Triton's CompiledKernel: .asm["ptx"], ["cubin"]): `types` of its
     pointer and float arguments (any other is i32), the pointers, strides and `ints` marked
     divisible by 16 as the launcher's specialisation marks them for real shapes (what lets
-    loads vectorise and stage through shared memory)."""
+    loads vectorise and stage through shared memory); `options` more of the launch's compile
+    options (e.g. maxnreg)."""
     types = {**POINTERS, **types}
     names = fn.arg_names
     constexprs = {n: v for n, v in constexprs.items() if n in names}
@@ -65,7 +68,7 @@ def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int, num_stages: 
     return triton.compile(
         ASTSource(fn, signature, values, attrs),
         target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=num_warps, num_stages=num_stages),
+        options=dict(num_warps=num_warps, num_stages=num_stages, **options),
     )
 
 

@@ -497,9 +497,16 @@ def test_silu_quant_row_fits_registers_on_hopper():
     """The quantizing SiLU-and-mul's one-pass rows as the launcher builds them (32 warps):
     llama3-70b's 28,672 values (a 32,768 block, MAX_QUANT_ROW) compile for sm90 without
     spilling, in at most 64 registers a thread (one program an SM), stored or not, scaled or
-    not; llama3-8b's 16,384 block in at most 32 (two programs an SM)."""
+    not; llama3-8b's 16,384 block in at most 32 (two programs an SM), scaled with the launch's
+    register cap (a few bytes spilled), which applies past one wave of SMs only."""
     from lantau.kernels import activation
     from tests.compiled import run_compiled
+
+    cpu = torch.device("cpu")  # the interpreter's SM count: 132
+    assert activation._register_cap(True, True, 16384, 384, cpu) == {"maxnreg": 32}
+    assert activation._register_cap(True, True, 16384, 128, cpu) == {}
+    assert activation._register_cap(True, False, 16384, 384, cpu) == {}
+    assert activation._register_cap(True, True, 32768, 384, cpu) == {}
 
     block = activation.MAX_QUANT_ROW
     code = f"""
@@ -507,18 +514,20 @@ from sass_loops import compile_sm90, register_use
 from lantau.kernels.activation import _silu_and_mul_quant_kernel
 types = dict(x_ptr="*bf16", out_ptr="*bf16", row_scale_ptr="*fp32", col_scale_ptr="*fp32",
              q_ptr="*fp8e4nv", q_scale_ptr="*fp32")
-for block, scaled, store in [({block}, False, False), ({block}, True, False), ({block}, True, True),
-                             (16384, False, False)]:
+for block, scaled, store, cap in [({block}, False, False, {{}}), ({block}, True, False, {{}}),
+                                  ({block}, True, True, {{}}), (16384, False, False, {{}}),
+                                  (16384, True, False, dict(maxnreg=32))]:
     kernel = compile_sm90(_silu_and_mul_quant_kernel, types, dict(BLOCK_SIZE=block, USE_PDL=True,
         SCALED=scaled, ONE_PASS=True, STORE=store), num_warps=32, num_stages=3,
-        ints=("x_row_stride", "out_row_stride", "d"))
+        ints=("x_row_stride", "out_row_stride", "d"), **cap)
     print(block, *register_use(kernel))
 """
-    rows = [line.split() for line in run_compiled(code).splitlines()]
-    assert len(rows) == 4 and activation.MAX_QUANT_ROW >= 28672
-    for block, registers, spills in rows:
-        assert int(spills) == 0, rows
-        assert int(registers) <= (32 if int(block) <= 16384 else 64), rows
+    rows = [[int(v) for v in line.split()] for line in run_compiled(code).splitlines()]
+    assert len(rows) == 5 and activation.MAX_QUANT_ROW >= 28672
+    for block, registers, spills in rows[:4]:
+        assert spills == 0, rows
+        assert registers <= (32 if block <= 16384 else 64), rows
+    assert rows[4][1] <= 32 and rows[4][2] <= 16, rows  # the capped scaled row
 
 
 def test_scaled_readers_compile_for_hopper():

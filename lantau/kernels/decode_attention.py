@@ -15,7 +15,6 @@ Reference: lantau.kernels.reference.paged_decode_attention_ref.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -42,6 +41,7 @@ from lantau.kernels.attention_tiles import (
     split_pairs,
     tile_slots,
 )
+from lantau.kernels.device import num_sms
 from lantau.kernels.pdl import pdl_wait
 
 _DECODE_BLOCK_N = 64  # keys per iteration (a module constant so tests can shrink it)
@@ -54,7 +54,6 @@ _DECODE_STAGES = 2
 _PROGRAMS_PER_SM = 4
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
-_DEFAULT_NUM_SMS = 132  # H100/H200; used when the device is not CUDA (interpreter)
 
 
 @triton.jit
@@ -431,13 +430,6 @@ def _merge_splits_unrolled(
     return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 _MAX_COUNTERS = 1 << 20  # (request, kv head) pairs of one decode launch
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -461,7 +453,7 @@ def default_num_splits(
     """
     programs = num_reqs * num_kv_heads
     wanted = min(
-        _PROGRAMS_PER_SM * _num_sms(device) // max(programs, 1),
+        _PROGRAMS_PER_SM * num_sms(device) // max(programs, 1),
         max_seq_len // _MIN_KEYS_PER_SPLIT,
         _MAX_SPLITS,
     )
