@@ -29,10 +29,13 @@ from lantau.kernels.pdl import pdl_wait
 MAX_BLOCK_SIZE = 4096
 # widest row the quantizing kernel holds in registers, on 32 warps: 32 values a thread, 60
 # registers on sm90 without spills (one program an SM), llama3-70b's 28,672 included; llama3-8b's
-# 14,336 take 16 a thread (two programs an SM). A wider row takes two passes. 32 warps rather
+# 14,336 take 16 a thread, 32 registers unscaled (two programs an SM) and 44 with a tensor-wise
+# product's scales (one, until _register_cap). A wider row takes two passes. 32 warps rather
 # than 16: 287 against 302 us at 8,192 rows of 8B, level at decode batches (H100, RESULTS.md
-# 2026-12-07); capping registers (maxnreg 32) added nothing
+# 2026-12-07)
 MAX_QUANT_ROW = 32768
+# the one-pass block whose scaled row _register_cap brings to 32 registers (8B's)
+CAPPED_ROW = 16384
 
 
 @triton.jit
@@ -117,11 +120,11 @@ def _register_cap(
     one_pass: bool, scaled: bool, width: int, num_tokens: int, device: torch.device
 ) -> dict:
     """The quantizing kernel's launch option capping its registers: a scaled one-pass row of
-    up to 16,384 values (8B's) takes 44 registers a thread, one program an SM; capped at 32
+    up to CAPPED_ROW values (8B's) takes 44 registers a thread, one program an SM; capped at 32
     (8 bytes spilled) two fit, which pays once the rows outrun one wave of the SMs: 21.4
     against 23.9 us at 384 rows, 298 against 409 at 8,192, but 11.5 against 8.4 at 128 (H100,
     RESULTS.md 2026-12-07)."""
-    if one_pass and scaled and width <= 16384 and num_tokens > num_sms(device):
+    if one_pass and scaled and width <= CAPPED_ROW and num_tokens > num_sms(device):
         return {"maxnreg": 32}
     return {}
 
