@@ -30,6 +30,16 @@ class AttentionMetadata:
 
 
 @dataclass
+class KeptRows:
+    """The rows of a step whose output its caller reads (the rows that sample, each the last
+    of its request's rows): the last layer writes every row's keys and values, and computes
+    the rest (attention, o_proj, the MLP) for these rows only."""
+
+    rows: torch.Tensor  # [n] int64: their row indices in the step
+    attn: AttentionMetadata  # their requests as a decode batch: one query row each
+
+
+@dataclass
 class ForwardContext:
     """Everything a forward pass needs besides token ids."""
 
@@ -39,3 +49,4 @@ class ForwardContext:
     positions: torch.Tensor  # [num_tokens] int64: each token's position in its sequence
     cos_sin_cache: torch.Tensor | None = None  # [max_positions, head_dim] fp32, set by the model
     lora: object | None = None  # the step's adapter tokens (lantau/model/lora.py's LoRABatch)
+    keep: KeptRows | None = None  # the rows the last layer computes (None: every row)

@@ -15,7 +15,7 @@ from torch import nn
 
 from lantau.config import KernelConfig, ModelConfig, RopeScaling
 from lantau.errors import ModelLoadError
-from lantau.model.forward_context import ForwardContext
+from lantau.model.forward_context import ForwardContext, KeptRows
 from lantau.model.fp8 import (
     E4M3,
     BlockQuantizedWeight,
@@ -72,13 +72,18 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = linear_layer(self.q_size, config.hidden_size, False, quant)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, ops: Ops) -> torch.Tensor:
-        """The qkv projection of x, rotary, KV-cache write, attention and o_proj."""
+    def forward(
+        self, x: torch.Tensor, ctx: ForwardContext, ops: Ops, keep: KeptRows | None = None
+    ) -> torch.Tensor:
+        """The qkv projection of x, rotary, KV-cache write, attention and o_proj; with keep,
+        attention and o_proj of keep.rows only ([len(keep.rows), hidden_size])."""
         # x: [num_tokens, hidden_size]
         out = ops.qkv_attention(
             x, self.qkv_proj, self.num_heads, ctx.positions, ctx.cos_sin_cache,
-            ctx.kv_caches[self.layer_idx], ctx.attn, self.scale,
+            ctx.kv_caches[self.layer_idx], ctx.attn, self.scale, keep,
         )  # fmt: skip  # [num_tokens, num_heads, head_dim]
+        if not len(out):  # no row kept: the keys and values were all the layer owed
+            return x[:0]
         out = out.reshape(-1, self.q_size)
         if self.tp.size > 1:  # each rank's partial product, scaled before the all-reduce
             return self.tp.all_reduce(ops.linear(out, self.o_proj))
@@ -110,16 +115,26 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, ops: Ops
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+        ops: Ops,
+        keep: KeptRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream travels beside the normalised input so that the add and the
-        next norm are one fused op: returns (this layer's output delta, residual)."""
+        next norm are one fused op: returns (this layer's output delta, residual). keep: every
+        row's keys and values, the rest for keep.rows only (their rows returned)."""
         norm, qkv = self.input_layernorm, self.self_attn.qkv_proj
         if residual is None:
             residual, x = x, ops.rms_norm(x, norm.weight, norm.eps, next_layer=qkv)
         else:
             x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps, next_layer=qkv)
-        x = self.self_attn(x, ctx, ops)
+        x = self.self_attn(x, ctx, ops, keep)
+        if keep is not None:
+            residual = residual[keep.rows]
+            if not len(x):
+                return x, residual
         norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
         x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps, next_layer=gate_up)
         return self.mlp(x, ops), residual
@@ -179,7 +194,8 @@ class LlamaForCausalLM(nn.Module):
         final_norm: bool = False,
     ) -> torch.Tensor:
         """input_ids: [num_tokens] -> the residual stream after the last layer, [num_tokens,
-        hidden_size] (the final norm is compute_logits', on the rows that need logits).
+        hidden_size] (the final norm is compute_logits', on the rows that need logits); with
+        ctx.keep, of keep.rows only (the last layer computes no other row's output).
         pick: (pick_src, prev_ids), token i's id taken from prev_ids[pick_src[i]] where
         pick_src[i] >= 0 (Ops.embed). final_norm: the final norm's output instead, the last
         residual add and the norm one op (decode_logits)."""
@@ -188,8 +204,10 @@ class LlamaForCausalLM(nn.Module):
         try:
             x = self.ops.embed(input_ids, self.model.embed_tokens.weight, *(pick or ()))
             residual = None
-            for layer in self.model.layers:
+            *body, last = self.model.layers
+            for layer in body:
                 x, residual = layer(x, residual, ctx, self.ops)
+            x, residual = last(x, residual, ctx, self.ops, ctx.keep)
             if final_norm:
                 norm = self.model.norm
                 return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]

@@ -13,7 +13,7 @@ from lantau.kernels import reference as ref
 from lantau.kernels import require_triton
 from lantau.kv_cache.manager import cdiv
 from lantau.model import fp8
-from lantau.model.forward_context import AttentionMetadata
+from lantau.model.forward_context import AttentionMetadata, KeptRows
 from lantau.model.lora import LoRABatch, add_lora
 
 
@@ -94,16 +94,24 @@ class _Compositions:
 
     def qkv_attention(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
-        meta: AttentionMetadata, scale: float,
+        meta: AttentionMetadata, scale: float, keep: KeptRows | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """The attention's input side, then attention: the qkv projection of x, rotary on q
         and k, k and v to their cache slots: [num_tokens, num_heads, head_dim]. In a step with
         prompt rows, a fresh prompt (every key this step's) attends over the step's own k and
         v as computed (`attention`'s `fresh`), not over the cache's copy (an fp8 cache's
-        rounded one)."""
+        rounded one). keep: every row's k and v are written, but only keep.rows attend (each
+        its request's last row, over the cache as a decode would): [len(keep.rows), ...]."""
         num_kv_heads, head_dim = kv_cache.shape[3:]
         qkv, scales = self.product(x, layer)
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        if keep is not None:
+            q, _, _ = self.rotary_and_write_kv(
+                q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, **scales
+            )
+            if not len(keep.rows):
+                return q[:0]
+            return self.attention(q[keep.rows], kv_cache, keep.attn, scale)
         fresh = not meta.is_decode_only
         q, k, v = self.rotary_and_write_kv(
             q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, store_kv=fresh,
@@ -297,13 +305,15 @@ class TritonOps(_Compositions):
 
     def qkv_attention(
         self, x, layer: torch.nn.Linear, num_heads, positions, cos_sin_cache, kv_cache,
-        meta: AttentionMetadata, scale: float,
+        meta: AttentionMetadata, scale: float, keep: KeptRows | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Small decode batches: rotary and the KV write inside the attention launch, one
         launch fewer a layer."""
-        if not (meta.is_decode_only and x.shape[0] <= self.config.attn_small_rows):
+        if keep is not None or not (
+            meta.is_decode_only and x.shape[0] <= self.config.attn_small_rows
+        ):
             return super().qkv_attention(
-                x, layer, num_heads, positions, cos_sin_cache, kv_cache, meta, scale
+                x, layer, num_heads, positions, cos_sin_cache, kv_cache, meta, scale, keep
             )
         num_kv_heads, head_dim = kv_cache.shape[3:]
         q, k, v = split_qkv(self.linear(x, layer), num_heads, num_kv_heads, head_dim)

@@ -29,7 +29,7 @@ import torch
 from lantau.config import EngineConfig
 from lantau.kernels import require_triton
 from lantau.kv_cache.manager import cdiv
-from lantau.model.forward_context import AttentionMetadata, ForwardContext
+from lantau.model.forward_context import AttentionMetadata, ForwardContext, KeptRows
 from lantau.model.llama import LlamaForCausalLM
 from lantau.model.lora import LoRABatch
 from lantau.request import Logprob, SamplingParams
@@ -423,13 +423,37 @@ class ModelRunner:
 
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """Logits of the sampling rows, eagerly: [num_sample, vocab_size]; None for a step of
-        prefill chunks only (its KV is written; no row needs logits)."""
-        return self._sample_logits(self._forward(inputs), inputs)
+        prefill chunks only (its KV is written; no row needs logits). A step with prompt rows
+        computes its last layer past the keys and values for the sampling rows only."""
+        if inputs.max_query_len == 1 or inputs.has_adapter_rows:
+            return self._sample_logits(self._forward(inputs), inputs)
+        hidden = self._forward(inputs, keep=True)
+        return self.model.compute_logits(hidden) if len(hidden) else None
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model's body, eagerly: [num_tokens, hidden_size]."""
+    def _forward(self, inputs: StepInputs, keep: bool = False) -> torch.Tensor:
+        """The model's body, eagerly: [num_tokens, hidden_size] (`keep`: of the sampling
+        rows only, ForwardContext.keep)."""
         input_ids, ctx = self._to_device(inputs)
+        if keep:
+            ctx.keep = self._kept_rows(inputs, ctx.attn)
         return self.model(input_ids, ctx)
+
+    def _kept_rows(self, inputs: StepInputs, meta: AttentionMetadata) -> KeptRows:
+        """The sampling rows (each its request's last row) and their requests as a decode
+        batch over the step's metadata."""
+        rows = inputs.logits_indices
+        reqs = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1
+        index = to_device(reqs, self.device)
+        kept = to_device(rows, self.device)
+        attn = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[kept],
+            query_start_loc=to_device(np.arange(len(rows) + 1, dtype=np.int32), self.device),
+            seq_lens=meta.seq_lens[index],
+            block_tables=meta.block_tables[index],
+            max_query_len=1,
+            max_seq_len=int(inputs.seq_lens[reqs].max()) if len(rows) else 0,
+        )
+        return KeptRows(kept, attn)
 
     def _sample_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
         """The logits of the rows of `hidden` (the model's body's output) that sample."""
