@@ -625,10 +625,12 @@ def w4(counts: dict[str, int], seqs: list[int]) -> None:
     from lantau import LLM
 
     def make(max_num_seqs: int, max_num_batched_tokens: int = 16384):
+        # --fp8-engine-args may set max_num_batched_tokens (a smaller step's activations leave
+        # the KV cache more of the card)
+        args = {"max_num_batched_tokens": max_num_batched_tokens, **FP8_ENGINE_ARGS}
         return LLM(
             "random:llama3-70b", dtype="fp8", max_model_len=2048, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            scheduling_policy="guaranteed_no_evict", **FP8_ENGINE_ARGS,
+            scheduling_policy="guaranteed_no_evict", **args,
         )  # fmt: skip
 
     t = time.perf_counter()
@@ -644,6 +646,7 @@ def w4(counts: dict[str, int], seqs: list[int]) -> None:
         sizes = {"max_num_seqs": 64, "max_num_batched_tokens": 8192}
         print(f"70B engine out of memory: once more with {sizes}", flush=True)
         llm = make(**sizes)
+    sizes["max_num_batched_tokens"] = llm.config.scheduler.max_num_batched_tokens
     RESULTS["w4_engine"] = sizes
     start_s = RESULTS["w4_start_s"] = time.perf_counter() - t
     used = torch.cuda.memory_allocated() / 1e9
