@@ -55,14 +55,8 @@ def _kept(meta: AttentionMetadata, sampled: list[bool]) -> KeptRows:
     """The last row of each sampling request, as the runner keeps them."""
     reqs = torch.tensor([i for i, s in enumerate(sampled) if s], dtype=torch.int64)
     rows = meta.query_start_loc[1:].long()[reqs] - 1
-    seq_lens = meta.seq_lens[reqs]
-    attn = AttentionMetadata(
-        slot_mapping=meta.slot_mapping[rows],
-        query_start_loc=torch.arange(len(reqs) + 1, dtype=torch.int32), seq_lens=seq_lens,
-        block_tables=meta.block_tables[reqs], max_query_len=1,
-        max_seq_len=int(seq_lens.max()) if len(reqs) else 0,
-    )  # fmt: skip
-    return KeptRows(rows, attn)
+    longest = int(meta.seq_lens[reqs].max()) if len(reqs) else 0
+    return KeptRows.of(meta, rows, reqs, longest)
 
 
 @pytest.mark.parametrize(

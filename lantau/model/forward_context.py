@@ -38,6 +38,22 @@ class KeptRows:
     rows: torch.Tensor  # [n] int64: their row indices in the step
     attn: AttentionMetadata  # their requests as a decode batch: one query row each
 
+    @classmethod
+    def of(
+        cls, meta: AttentionMetadata, rows: torch.Tensor, reqs: torch.Tensor, max_seq_len: int
+    ) -> KeptRows:
+        """rows [n] int64, row i the last of request reqs[i]'s in the step `meta` describes;
+        max_seq_len: their longest context (a host int: no device sync here)."""
+        attn = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[rows],
+            query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=rows.device),
+            seq_lens=meta.seq_lens[reqs],
+            block_tables=meta.block_tables[reqs],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+        )
+        return cls(rows, attn)
+
 
 @dataclass
 class ForwardContext:

@@ -443,17 +443,10 @@ class ModelRunner:
         batch over the step's metadata."""
         rows = inputs.logits_indices
         reqs = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1
-        index = to_device(reqs, self.device)
-        kept = to_device(rows, self.device)
-        attn = AttentionMetadata(
-            slot_mapping=meta.slot_mapping[kept],
-            query_start_loc=to_device(np.arange(len(rows) + 1, dtype=np.int32), self.device),
-            seq_lens=meta.seq_lens[index],
-            block_tables=meta.block_tables[index],
-            max_query_len=1,
-            max_seq_len=int(inputs.seq_lens[reqs].max()) if len(rows) else 0,
+        longest = int(inputs.seq_lens[reqs].max()) if len(rows) else 0
+        return KeptRows.of(
+            meta, to_device(rows, self.device), to_device(reqs, self.device), longest
         )
-        return KeptRows(kept, attn)
 
     def _sample_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
         """The logits of the rows of `hidden` (the model's body's output) that sample."""
